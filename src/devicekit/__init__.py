@@ -1,0 +1,123 @@
+"""devicekit: PyTorch device management.
+
+Placement (pick free GPUs, lease them, move batches, checkpoints), parallelism (launch many
+processes, DDP, model split, pipelines) and memory (usage, leaks, OOM, batch size).
+
+Usage::
+
+    import devicekit as dk
+
+    sel = dk.select_gpus(2, min_free_memory="20GiB")   # leased until released
+    batch = dk.to_device(batch, sel.devices[0])
+    report = dk.find_leaks(train_step)
+
+This module only re-exports. Names are resolved lazily (PEP 562) so that ``import devicekit``
+and the ``devicekit status``/``select`` commands never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> "module:attribute" (attribute omitted: the module itself)
+_EXPORTS: dict[str, str] = {
+    # errors
+    "DeviceKitError": "devicekit.errors:DeviceKitError",
+    "InvalidValueError": "devicekit.errors:InvalidValueError",
+    "InvalidSizeError": "devicekit.errors:InvalidSizeError",
+    "InvalidDeviceError": "devicekit.errors:InvalidDeviceError",
+    "VisibleDevicesError": "devicekit.errors:VisibleDevicesError",
+    "SimulationFileError": "devicekit.errors:SimulationFileError",
+    "BackendError": "devicekit.errors:BackendError",
+    "NVMLUnavailableError": "devicekit.errors:NVMLUnavailableError",
+    "NoDeviceAvailable": "devicekit.errors:NoDeviceAvailable",
+    "LeaseError": "devicekit.errors:LeaseError",
+    "CheckpointError": "devicekit.errors:CheckpointError",
+    "UnsafeCheckpointError": "devicekit.errors:UnsafeCheckpointError",
+    "PlacementError": "devicekit.errors:PlacementError",
+    "SplitError": "devicekit.errors:SplitError",
+    "DistributedError": "devicekit.errors:DistributedError",
+    "LaunchError": "devicekit.errors:LaunchError",
+    "RankFailedError": "devicekit.errors:RankFailedError",
+    "RankHangError": "devicekit.errors:RankHangError",
+    "BatchSizeError": "devicekit.errors:BatchSizeError",
+    # units
+    "parse_size": "devicekit.units:parse_size",
+    "format_size": "devicekit.units:format_size",
+    # hardware: what exists
+    "GPU": "devicekit.hardware.gpu:GPU",
+    "GPUProcess": "devicekit.hardware.gpu:GPUProcess",
+    "MigDevice": "devicekit.hardware.gpu:MigDevice",
+    "gpus": "devicekit.hardware.inventory:gpus",
+    "Host": "devicekit.hardware.host:Host",
+    "host": "devicekit.hardware.host:host",
+    "show_utilization": "devicekit.hardware.table:show_utilization",
+    # choosing devices
+    "select_gpus": "devicekit.hardware.selection:select_gpus",
+    "Selection": "devicekit.hardware.selection:Selection",
+    "try_gpu": "devicekit.placement.devices:try_gpu",
+    "try_all_gpus": "devicekit.placement.devices:try_all_gpus",
+    "as_device": "devicekit.placement.devices:as_device",
+    # placement
+    "to_device": "devicekit.placement.transfer:to_device",
+    "pin_memory": "devicekit.placement.transfer:pin_memory",
+    "device_of": "devicekit.placement.transfer:device_of",
+    "Prefetcher": "devicekit.placement.prefetch:Prefetcher",
+    "save_checkpoint": "devicekit.placement.checkpoint:save_checkpoint",
+    "load_checkpoint": "devicekit.placement.checkpoint:load_checkpoint",
+    "half": "devicekit.placement.precision:half",
+    "mixed_precision": "devicekit.placement.precision:mixed_precision",
+    "performance_mode": "devicekit.placement.modes:performance_mode",
+    "deterministic_mode": "devicekit.placement.modes:deterministic_mode",
+    "RunningMean": "devicekit.placement.metrics:RunningMean",
+    "MetricLog": "devicekit.placement.metrics:MetricLog",
+    "sync_guard": "devicekit.placement.sync_guard:sync_guard",
+    # memory
+    "memory": "devicekit.memory",
+    "find_leaks": "devicekit.memory.leaks:find_leaks",
+    "LeakDetector": "devicekit.memory.leaks:LeakDetector",
+    "LeakReport": "devicekit.memory.leaks:LeakReport",
+    "Leak": "devicekit.memory.leaks:Leak",
+    "oom_guard": "devicekit.memory.oom:oom_guard",
+    "install_oom_handler": "devicekit.memory.oom:install_oom_handler",
+    "find_batch_size": "devicekit.memory.batch_size:find_batch_size",
+    "release": "devicekit.memory.release:release",
+    "empty_cache": "devicekit.memory.release:empty_cache",
+    # parallel
+    "launch": "devicekit.parallel.launch:launch",
+    "dist": "devicekit.parallel.dist",
+    "ddp": "devicekit.parallel.ddp:ddp",
+    "BalancedDataParallel": "devicekit.parallel.balanced_dp:BalancedDataParallel",
+    "check_equivalence": "devicekit.parallel.equivalence:check_equivalence",
+    "split": "devicekit.parallel.split:split",
+    "Pipeline": "devicekit.parallel.pipeline:Pipeline",
+    "plan_devices": "devicekit.parallel.plan:plan_devices",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'devicekit' has no attribute {name!r}")
+    module_name, _, attribute = target.partition(":")
+    module = importlib.import_module(module_name)
+    value = getattr(module, attribute) if attribute else module
+    globals()[name] = value  # cache: the next lookup is a plain attribute access
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static re-exports for type checkers and IDEs
+    from devicekit.errors import *  # noqa: F403
+    from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice  # noqa: F401
+    from devicekit.hardware.host import Host, host  # noqa: F401
+    from devicekit.hardware.inventory import gpus  # noqa: F401
+    from devicekit.hardware.selection import Selection, select_gpus  # noqa: F401

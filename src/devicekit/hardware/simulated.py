@@ -1,0 +1,236 @@
+"""Simulated GPUs from a JSON file, for CI machines and rehearsing cluster scripts on a laptop.
+
+Point ``DEVICEKIT_SIMULATE`` (or ``devicekit --simulate PATH``) at a file such as::
+
+    {"gpus": [
+      {"name": "NVIDIA H100 80GB HBM3", "memory_total": "80GiB", "memory_used": "2GiB",
+       "utilization": 5,
+       "processes": [{"pid": 4242, "user": "alice", "memory": "2GiB", "command": "python train.py"}]},
+      {"name": "NVIDIA H100 80GB HBM3", "memory_total": "80GiB", "memory_used": "0GiB", "utilization": 0}
+    ]}
+
+Optional per-GPU keys: ``uuid``, ``pci_bus_id``, ``temperature``, ``power_draw``, ``power_limit``,
+``compute_capability`` (``"9.0"`` or ``[9, 0]``), ``compute_mode``, ``memory_bandwidth_utilization``
+and ``mig`` (``true``, or a list of ``{"name", "memory_total", "memory_used", "uuid"}``). Unknown
+keys are errors, so a typo never passes silently. The file is re-read on every snapshot, so a
+test or a rehearsal can change it while a job waits.
+
+Usage::
+
+    from devicekit.hardware.simulated import SimulatedBackend
+
+    gpus = SimulatedBackend("cluster.json").snapshot()
+"""
+
+from __future__ import annotations
+
+import json
+import uuid as uuid_module
+from pathlib import Path
+from typing import Any
+
+from devicekit.errors import InvalidSizeError, SimulationFileError
+from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
+from devicekit.units import parse_size
+
+__all__ = ["SimulatedBackend", "load_simulation"]
+
+_GPU_KEYS = {
+    "name", "memory_total", "memory_used", "utilization", "processes", "uuid", "pci_bus_id",
+    "temperature", "power_draw", "power_limit", "compute_capability", "compute_mode", "mig",
+    "memory_bandwidth_utilization",
+}
+_PROC_KEYS = {"pid", "user", "memory", "command"}
+_MIG_KEYS = {"name", "memory_total", "memory_used", "uuid"}
+_NAMESPACE = uuid_module.UUID("6d3c1f0e-8b1a-4d59-9f6e-2b7c0a5e4d21")
+
+
+class SimulatedBackend:
+    """Reads GPUs from a simulation file; same facts as NVML gives, from JSON."""
+
+    name = "simulated"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def snapshot(self) -> list[GPU]:
+        return load_simulation(self.path)
+
+    def driver_version(self) -> str | None:
+        return "simulated"
+
+
+def load_simulation(path: str | Path) -> list[GPU]:
+    """Parse the simulation file into GPU snapshots; raise :class:`SimulationFileError` if bad."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SimulationFileError(
+            f"simulation file {str(path)!r} cannot be read ({exc.strerror}); "
+            "check DEVICEKIT_SIMULATE / --simulate"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SimulationFileError(
+            f"simulation file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise SimulationFileError(
+            f"simulation file {str(path)!r} must be an object with a 'gpus' list"
+        )
+    extra_top = set(data) - {"gpus"}
+    if extra_top:
+        raise SimulationFileError(
+            f"simulation file {str(path)!r}: unknown key {sorted(extra_top)[0]!r} (only 'gpus')"
+        )
+    return [_parse_gpu(path, i, entry) for i, entry in enumerate(data["gpus"])]
+
+
+def _fail(path: Path, where: str, message: str) -> SimulationFileError:
+    return SimulationFileError(f"simulation file {str(path)!r}: {where}: {message}")
+
+
+def _size(path: Path, where: str, value: Any) -> int:
+    try:
+        return parse_size(value, name=where)
+    except InvalidSizeError as exc:
+        raise _fail(path, where, str(exc)) from None
+
+
+def _number(path: Path, where: str, value: Any, *, low: float | None = None,
+            high: float | None = None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(path, where, f"{value!r} is not a number")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _fail(path, where, f"{value!r} is outside {low}..{high}")
+    return float(value)
+
+
+def _parse_gpu(path: Path, index: int, entry: Any) -> GPU:
+    where = f"gpus[{index}]"
+    if not isinstance(entry, dict):
+        raise _fail(path, where, "each GPU must be an object")
+    unknown = set(entry) - _GPU_KEYS
+    if unknown:
+        raise _fail(path, where, f"unknown key {sorted(unknown)[0]!r}")
+    for key in ("name", "memory_total"):
+        if key not in entry:
+            raise _fail(path, where, f"missing key {key!r}")
+    name = entry["name"]
+    if not isinstance(name, str) or not name:
+        raise _fail(path, f"{where}.name", f"{name!r} is not a name")
+    total = _size(path, f"{where}.memory_total", entry["memory_total"])
+    used = _size(path, f"{where}.memory_used", entry.get("memory_used", 0))
+    if used > total:
+        raise _fail(path, f"{where}.memory_used", "is larger than memory_total")
+    processes = tuple(_parse_process(path, f"{where}.processes[{j}]", p)
+                      for j, p in enumerate(_list(path, f"{where}.processes",
+                                                  entry.get("processes", []))))
+    uuid = entry.get("uuid") or f"GPU-{uuid_module.uuid5(_NAMESPACE, f'{index}/{name}')}"
+    if not isinstance(uuid, str):
+        raise _fail(path, f"{where}.uuid", f"{uuid!r} is not a string")
+    pci = entry.get("pci_bus_id") or f"00000000:{0x10 + index:02X}:00.0"
+    temp = _number(path, f"{where}.temperature", entry.get("temperature"), low=-50, high=150)
+    util = _number(path, f"{where}.utilization", entry.get("utilization", 0), low=0, high=100)
+    bw = _number(path, f"{where}.memory_bandwidth_utilization",
+                 entry.get("memory_bandwidth_utilization"), low=0, high=100)
+    mig_enabled, mig_devices = _parse_mig(path, f"{where}.mig", entry.get("mig"), uuid)
+    return GPU(
+        index=index,
+        uuid=uuid,
+        name=name,
+        memory_total=total,
+        memory_used=used,
+        memory_free=total - used,
+        pci_bus_id=str(pci),
+        utilization=util,
+        memory_bandwidth_utilization=bw,
+        temperature=int(temp) if temp is not None else None,
+        power_draw=_number(path, f"{where}.power_draw", entry.get("power_draw"), low=0),
+        power_limit=_number(path, f"{where}.power_limit", entry.get("power_limit"), low=0),
+        compute_capability=_parse_cc(path, f"{where}.compute_capability",
+                                     entry.get("compute_capability")),
+        compute_mode=_parse_mode(path, f"{where}.compute_mode", entry.get("compute_mode")),
+        mig_enabled=mig_enabled,
+        mig_devices=mig_devices,
+        processes=processes,
+        backend="simulated",
+    )
+
+
+def _list(path: Path, where: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail(path, where, "must be a list")
+    return value
+
+
+def _parse_process(path: Path, where: str, entry: Any) -> GPUProcess:
+    if not isinstance(entry, dict):
+        raise _fail(path, where, "each process must be an object")
+    unknown = set(entry) - _PROC_KEYS
+    if unknown:
+        raise _fail(path, where, f"unknown key {sorted(unknown)[0]!r}")
+    pid = entry.get("pid")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise _fail(path, f"{where}.pid", f"{pid!r} is not a process id")
+    memory = entry.get("memory")
+    return GPUProcess(
+        pid=pid,
+        user=entry.get("user"),
+        command=entry.get("command"),
+        memory=_size(path, f"{where}.memory", memory) if memory is not None else None,
+    )
+
+
+def _parse_cc(path: Path, where: str, value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            major, minor = value.split(".")
+            return int(major), int(minor)
+        if isinstance(value, (list, tuple)) and len(value) == 2:
+            return int(value[0]), int(value[1])
+    except (ValueError, TypeError):
+        pass
+    raise _fail(path, where, f"{value!r} is not a compute capability like '9.0'")
+
+
+def _parse_mode(path: Path, where: str, value: Any) -> str | None:
+    modes = {"default", "exclusive_process", "prohibited"}
+    if value is None:
+        return "default"
+    if value not in modes:
+        raise _fail(path, where, f"{value!r} is not one of {sorted(modes)}")
+    return str(value)
+
+
+def _parse_mig(path: Path, where: str, value: Any, parent_uuid: str
+               ) -> tuple[bool, tuple[MigDevice, ...]]:
+    if value is None or value is False:
+        return False, ()
+    if value is True:
+        return True, ()
+    devices = []
+    for k, item in enumerate(_list(path, where, value)):
+        spot = f"{where}[{k}]"
+        if not isinstance(item, dict):
+            raise _fail(path, spot, "each MIG instance must be an object")
+        unknown = set(item) - _MIG_KEYS
+        if unknown:
+            raise _fail(path, spot, f"unknown key {sorted(unknown)[0]!r}")
+        if "memory_total" not in item:
+            raise _fail(path, spot, "missing key 'memory_total'")
+        mig_uuid = item.get("uuid") or f"MIG-{uuid_module.uuid5(_NAMESPACE, f'{parent_uuid}/{k}')}"
+        devices.append(MigDevice(
+            index=k,
+            uuid=str(mig_uuid),
+            name=str(item.get("name", f"MIG {k}")),
+            memory_total=_size(path, f"{spot}.memory_total", item["memory_total"]),
+            memory_used=_size(path, f"{spot}.memory_used", item.get("memory_used", 0)),
+        ))
+    return True, tuple(devices)

@@ -1,0 +1,1 @@
+"""devicekit.memory"""

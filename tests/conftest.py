@@ -1,0 +1,58 @@
+"""Shared fixtures: simulated GPUs, an isolated lease directory, a clean environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DEVICEKIT_SIMULATE", "DEVICEKIT_LEASE_DIR")
+
+
+def h100(used: str = "0GiB", util: int = 0, **extra: Any) -> dict[str, Any]:
+    """One simulated H100 entry for a simulation file."""
+    return {"name": "NVIDIA H100 80GB HBM3", "memory_total": "80GiB", "memory_used": used,
+            "utilization": util, **extra}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every test starts without GPU variables and with its own lease directory."""
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path_factory.mktemp("leases")))
+    from devicekit.hardware import inventory
+
+    inventory._cache.clear()
+
+
+@pytest.fixture
+def simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """``simulate([h100(), h100(used="70GiB")])`` writes a file and points DEVICEKIT_SIMULATE at it."""
+
+    def write(gpus: list[dict[str, Any]], name: str = "gpus.json") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({"gpus": gpus}))
+        monkeypatch.setenv("DEVICEKIT_SIMULATE", str(path))
+        return path
+
+    return write
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip cleanly where torch sees no CUDA device."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch broken: no GPU tests
+        has_cuda = False
+    if has_cuda and not os.environ.get("DEVICEKIT_SKIP_GPU_TESTS"):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

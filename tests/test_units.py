@@ -1,0 +1,46 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from devicekit.errors import DeviceKitError, InvalidSizeError
+from devicekit.units import format_size, parse_percent, parse_size
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("20GiB", 20 * 2**30), ("20G", 20 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
+     ("0", 0), ("100", 100), ("2tb", 2 * 10**12), (4096, 4096)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["10XB", "", "GiB", "-5GiB", "1..2G", -1, True, None, float("nan")])
+def test_parse_size_rejects_with_value_named(bad):
+    with pytest.raises(InvalidSizeError) as info:
+        parse_size(bad, name="--min-free")
+    message = str(info.value)
+    assert "--min-free" in message and repr(bad) in message
+    assert "\n" not in message
+    assert isinstance(info.value, DeviceKitError)
+
+
+def test_format_size():
+    assert format_size(0) == "0 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(80 * 2**30) == "80 GiB"
+    assert format_size(-2 * 2**20) == "-2 MiB"
+
+
+@given(st.integers(min_value=0, max_value=2**50))
+def test_format_then_parse_is_close(n):
+    text = format_size(n, precision=3).replace(" ", "")
+    back = parse_size(text)
+    assert abs(back - n) <= max(n * 0.001, 1)
+
+
+def test_parse_percent():
+    assert parse_percent("50%") == 50.0
+    assert parse_percent(7) == 7.0
+    with pytest.raises(InvalidSizeError, match="'150'"):
+        parse_percent("150")
