@@ -1,6 +1,7 @@
 import json
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_devices_error_when_chosen_gpu_hidden_later(four, monkeypatch):
     sel = select_gpus(1, lease=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(VisibleDevicesError, match="not visible in this process"):
-        sel.devices
+        _ = sel.devices
 
 
 def test_too_few_lists_reasons_in_one_line(four):
@@ -211,3 +212,75 @@ def test_to_env_and_formats(four):
     with pytest.raises(InvalidValueError, match="format 'pci'"):
         sel.to_env("pci")
     assert "GPU 0, GPU 1" in repr(sel)
+
+
+RACER = """
+import json, sys, time
+from pathlib import Path
+from devicekit.errors import NoDeviceAvailable
+from devicekit.hardware.selection import select_gpus
+
+go, done, wait = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+print("ready", flush=True)
+limit = time.monotonic() + 30
+while not go.exists() and time.monotonic() < limit:  # the barrier: all start together
+    time.sleep(0.001)
+try:
+    sel = select_gpus(1, wait=wait or None, poll_interval=0.02)
+except NoDeviceAvailable as err:
+    print(json.dumps({"error": str(err)}), flush=True)
+    sys.exit(0)
+start = time.monotonic()
+if wait:
+    time.sleep(0.1)  # hold the GPU a little, then hand it on
+    print(json.dumps({"gpu": sel.gpus[0].uuid, "start": start, "end": time.monotonic()}), flush=True)
+    sel.release()
+else:
+    print(json.dumps({"gpu": sel.gpus[0].uuid}), flush=True)
+    while not done.exists() and time.monotonic() < limit:  # hold until every racer reported
+        time.sleep(0.01)
+"""
+
+
+def race(spawn, tmp_path, wait):
+    from tests.hardware.conftest import wait_line
+
+    go, done = tmp_path / "go", tmp_path / "done"
+    racers = [spawn(RACER, str(go), str(done), str(wait)) for _ in range(16)]
+    for proc in racers:
+        assert wait_line(proc, timeout=30) == "ready"
+    go.touch()
+    results = [json.loads(wait_line(proc, timeout=30)) for proc in racers]
+    return racers, results, done
+
+
+@pytest.mark.slow
+def test_sixteen_processes_eight_gpus_no_gpu_twice(simulate, spawn, tmp_path):
+    simulate([h100() for _ in range(8)])
+    racers, results, done = race(spawn, tmp_path, wait=0)
+    try:
+        got = [r["gpu"] for r in results if "gpu" in r]
+        failed = [r["error"] for r in results if "error" in r]
+        assert len(got) == 8 and len(set(got)) == 8, results
+        assert len(failed) == 8 and all(e.startswith("need 1 GPU(s), 0 eligible") for e in failed)
+        live = read_leases()
+        assert sorted(r.gpu_uuid for r in live) == sorted(got)
+        assert {r.pid for r in live} <= {p.pid for p in racers}
+    finally:
+        done.touch()
+    for proc in racers:
+        assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.slow
+def test_sixteen_processes_queue_with_wait(simulate, spawn, tmp_path):
+    simulate([h100() for _ in range(8)])
+    _, results, _ = race(spawn, tmp_path, wait=25)
+    assert all("gpu" in r for r in results), results
+    by_gpu: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        by_gpu.setdefault(r["gpu"], []).append((r["start"], r["end"]))
+    for spans in by_gpu.values():  # nobody held a GPU while another held it
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
+    assert sum(len(s) for s in by_gpu.values()) == 16
