@@ -146,3 +146,12 @@ def test_visible_value_formats(three):
     assert visible_value([three[2], three[0]]) == f"{U[2]},{U[0]}"
     assert visible_value([three[2], three[0]], "index") == "2,0"
     assert visible_value([]) == ""
+
+
+def test_torch_ordinal_warns_when_fastest_first_must_be_guessed(mixed, monkeypatch):
+    with pytest.warns(DeviceOrderWarning, match="estimated"):
+        assert torch_ordinal(mixed[1]) == 0
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch_ordinal(mixed[1]) == 1
