@@ -37,9 +37,7 @@ import json
 import os
 import pwd
 import re
-import secrets
 import shlex
-import socket
 import stat
 import sys
 import time
@@ -355,7 +353,7 @@ class Lease:
         fds: list[int] = []
         paths: list[Path] = []
         user = _user_name(os.geteuid())
-        host = socket.gethostname()
+        host = os.uname().nodename
         cmd = command if command is not None else current_command()
         now = time.time()
         try:
@@ -403,7 +401,7 @@ class Lease:
 
 def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
     """Write ``record`` atomically: a locked temp file renamed into place; return (fd, path)."""
-    token = secrets.token_hex(6)
+    token = os.urandom(6).hex()
     name = f"{_SAFE.sub('_', record.gpu_uuid)}.{record.pid}.{token}{_SUFFIX}"
     tmp = directory / f"{_TMP_PREFIX}{token}"
     final = directory / name
@@ -418,7 +416,8 @@ def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
         os.fchmod(fd, 0o644)  # readable by all users so they can see (and test) the lease
         fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has its final name: never seen stale
         os.write(fd, record.to_json().encode())
-        os.fsync(fd)
+        # no fsync: a lease only matters while its holder runs, and a crash of the machine ends
+        # every holder; rename alone makes the complete file appear at once to other processes
         os.rename(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):

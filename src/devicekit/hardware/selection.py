@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +219,8 @@ def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
     if order == "utilization":
         return sorted(eligible, key=lambda c: (c.gpu.utilization or 0.0, -c.available, c.gpu.index))
     if order == "random":
+        import random  # imported here: it costs the CLI's cold start a few ms
+
         shuffled = list(eligible)
         random.shuffle(shuffled)
         return shuffled
