@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -37,18 +38,26 @@ def has_gpu() -> bool:
         return False
 
 
-def cold(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Median wall seconds of ``argv`` over RUNS runs (after one warm-up), and its exit code."""
-    times = []
+def cold(argv: list[str], env: dict[str, str]) -> tuple[float, float, int]:
+    """Median wall and CPU (user+sys) seconds of ``argv`` over RUNS runs after a warm-up, and rc.
+
+    CPU time is reported beside wall time because it hardly moves when other jobs load the
+    machine, while wall time does.
+    """
+    walls, cpus = [], []
     rc = 0
     for i in range(RUNS + 1):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               timeout=60)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if i:
-            times.append(time.perf_counter() - start)
+            walls.append(wall)
+            cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         rc = done.returncode
-    return statistics.median(times), rc
+    return statistics.median(walls), statistics.median(cpus), rc
 
 
 def per_call(fn, seconds: float = 2.0) -> float:
@@ -80,33 +89,36 @@ def main() -> None:
     print()
 
     py = sys.executable
-    bare, _ = cold([py, "-c", "pass"], env)
-    rows: list[tuple[str, str, str, str]] = [("python -c pass", f"{bare * 1000:.0f}", "1.00", "")]
-    dk_cold, rc = cold([py, "-m", "devicekit", "select", "-q"], env)
-    rows.append(("devicekit select -q", f"{dk_cold * 1000:.0f}", f"{dk_cold / bare:.2f}",
-                 f"+{(dk_cold - bare) * 1000:.0f} ms over bare python (goal < 300 ms)"
-                 + ("" if rc == 0 else f", exit {rc}")))
+    bare, bare_cpu, _ = cold([py, "-c", "pass"], env)
+
+    def row(name: str, wall: float, cpu: float, note: str) -> tuple[str, ...]:
+        return (name, f"{wall * 1000:.0f}", f"{wall / bare:.2f}", f"{cpu * 1000:.0f}",
+                f"{cpu / bare_cpu:.2f}" if bare_cpu else "-", note)
+
+    rows = [row("python -c pass", bare, bare_cpu, "")]
+    wall, cpu, rc = cold([py, "-m", "devicekit", "select", "-q"], env)
+    rows.append(row("devicekit select -q", wall, cpu,
+                    f"+{(wall - bare) * 1000:.0f} ms wall, +{(cpu - bare_cpu) * 1000:.0f} ms CPU "
+                    "over bare python (goal < 300 ms)" + ("" if rc == 0 else f", exit {rc}")))
     gputil_note = "" if gpu else "no GPU: nvidia-smi is absent, GPUtil returns [] at once"
     try:
         import GPUtil  # noqa: F401
 
-        gt, _ = cold([py, "-c", "import GPUtil; GPUtil.getAvailable()"], env)
-        rows.append(("GPUtil.getAvailable() (anchor)", f"{gt * 1000:.0f}", f"{gt / bare:.2f}",
-                     gputil_note))
+        wall, cpu, _ = cold([py, "-c", "import GPUtil; GPUtil.getAvailable()"], env)
+        rows.append(row("GPUtil.getAvailable() (anchor)", wall, cpu, gputil_note))
     except ImportError:
-        rows.append(("GPUtil.getAvailable() (anchor)", "-", "-", "skipped: GPUtil not installed"))
+        rows.append(("GPUtil.getAvailable() (anchor)", "-", "-", "-", "-",
+                     "skipped: GPUtil not installed"))
     gpustat = shutil.which("gpustat") or str(Path(py).parent / "gpustat")
     if Path(gpustat).exists():
-        gs, rc = cold([gpustat, "--json"], env)
-        if rc == 0:
-            rows.append(("gpustat --json (anchor)", f"{gs * 1000:.0f}", f"{gs / bare:.2f}", ""))
-        else:
-            rows.append(("gpustat --json (anchor)", "-", "-",
-                         "skipped: gpustat finds no NVIDIA driver on this machine"))
+        wall, cpu, rc = cold([gpustat, "--json"], env)
+        rows.append(row("gpustat --json (anchor)", wall, cpu, "") if rc == 0 else
+                    ("gpustat --json (anchor)", "-", "-", "-", "-",
+                     "skipped: gpustat finds no NVIDIA driver on this machine"))
     else:
-        rows.append(("gpustat --json (anchor)", "-", "-", "skipped: gpustat not installed"))
+        rows.append(("gpustat --json (anchor)", "-", "-", "-", "-", "skipped: gpustat not installed"))
     table("cold start (median wall time of a fresh process)",
-          ("command", "ms", "x bare python", "note"), rows)
+          ("command", "wall ms", "x bare", "CPU ms", "x bare", "note"), rows)
 
     sys.path.insert(0, str(SRC))
     from devicekit.hardware import inventory
