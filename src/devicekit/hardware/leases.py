@@ -186,7 +186,7 @@ def directory_lock(directory: str | os.PathLike[str] | None = None, *,
     path = _resolve(directory)
     lock_path = path / _LOCK_NAME
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | _OPEN_FLAGS, 0o644)
+        fd = _open_lock(lock_path)
     except OSError as exc:
         raise LeaseError(
             f"lease lock {str(lock_path)!r} cannot be opened ({exc.strerror}); it must be a "
@@ -220,6 +220,23 @@ def directory_lock(directory: str | os.PathLike[str] | None = None, *,
         os.close(fd)
 
 
+def _open_lock(lock_path: Path) -> int:
+    """Open (creating if missing) the lock file without ``O_CREAT`` on an existing file.
+
+    Linux's ``fs.protected_regular`` refuses ``O_CREAT`` on another user's file in a sticky
+    world-writable directory even when it exists, so open first and create only if absent.
+    """
+    while True:
+        try:
+            return os.open(lock_path, os.O_RDONLY | _OPEN_FLAGS)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+        except FileExistsError:
+            continue  # another process created it between our two calls
+
+
 def _lease_files(path: Path) -> list[str]:
     try:
         return sorted(os.listdir(path))
@@ -235,7 +252,10 @@ def _probe(path: Path) -> tuple[bool, os.stat_result] | None:
         if exc.errno in (errno.ENOENT, errno.ELOOP):
             return None
         if exc.errno == errno.EACCES:  # unreadable: assume live, we cannot tell
-            return True, os.lstat(path)
+            try:
+                return True, os.lstat(path)
+            except OSError:
+                return None
         raise
     try:
         info = os.fstat(fd)
@@ -251,9 +271,21 @@ def _probe(path: Path) -> tuple[bool, os.stat_result] | None:
         os.close(fd)
 
 
+def _from_name(path: Path, info: os.stat_result) -> LeaseRecord | None:
+    """A record from the file name alone (``<uuid>.<pid>.<token>.lease``) for an unreadable file."""
+    parts = path.name[: -len(_SUFFIX)].rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return LeaseRecord(gpu_uuid=parts[0], pid=int(parts[1]), user=_user_name(info.st_uid),
+                       host="", command="(unreadable lease file)", since=info.st_mtime,
+                       memory=None, share=False)
+
+
 def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
     try:
         fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    except PermissionError:  # live but unreadable: still counts, as an exclusive lease
+        return _from_name(path, info)
     except OSError:
         return None
     try:
