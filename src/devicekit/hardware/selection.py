@@ -173,8 +173,14 @@ def _excluded(gpus: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
 
 
 def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request,
-           visible: set[str], visible_note: str) -> list[Candidate]:
-    """Judge every GPU against the request (pure: no I/O), in NVML order."""
+           visible: set[str], visible_note: str,
+           holder_pids: dict[int, set[int]] | None = None) -> list[Candidate]:
+    """Judge every GPU against the request (pure: no I/O), in NVML order.
+
+    ``holder_pids`` maps a lease's pid to the pids that use memory on its behalf (itself and
+    its descendants, e.g. the command ``devicekit run`` started).
+    """
+    holder_pids = holder_pids or {}
     excluded = _excluded(gpus, request.exclude)
     out = []
     for gpu in gpus:
@@ -200,8 +206,8 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
             reasons.append(f"shared by {len(mine)} lease(s): {mine[0].describe()}")
         elif mine:
             # share leases budget memory: what each holder asked minus what it already uses
-            by_pid = {p.pid: p.memory or 0 for p in gpu.processes}
-            available -= sum(max((r.memory or 0) - by_pid.get(r.pid, 0), 0) for r in mine)
+            available -= sum(max((r.memory or 0) - _used_by(gpu, holder_pids.get(r.pid, {r.pid})), 0)
+                             for r in mine)
         if request.min_free is not None and available < request.min_free:
             what = "free" if not mine else "free after shared leases"
             reasons.append(f"{format_size(max(available, 0))} {what} < "
@@ -211,6 +217,11 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
             reasons.append(f"utilization {gpu.utilization:g}% > {request.max_util:g}% asked")
         out.append(Candidate(gpu, available, tuple(reasons)))
     return out
+
+
+def _used_by(gpu: GPU, pids: set[int]) -> int:
+    """GPU memory that the processes ``pids`` hold on ``gpu``."""
+    return sum(p.memory or 0 for p in gpu.processes if p.pid in pids)
 
 
 def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
@@ -234,12 +245,14 @@ def _attempt(request: _Request, lease: bool, command: str | None
     visible = {d.gpu.uuid for d in visible_devices(gpus) if d.mig is None}
     note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
     if not lease:
-        candidates = assess(gpus, read_leases(), request, visible, note)
+        held = read_leases()
+        candidates = assess(gpus, held, request, visible, note, _holder_pids(held))
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
     with directory_lock() as path:
-        candidates = assess(gpus, read_leases(path, cleanup=True), request, visible, note)
+        live = read_leases(path, cleanup=True)
+        candidates = assess(gpus, live, request, visible, note, _holder_pids(live))
         chosen = _choose(candidates, request)
         if not chosen:
             return None, candidates, _no_gpu_reason(gpus)
@@ -247,6 +260,23 @@ def _attempt(request: _Request, lease: bool, command: str | None
                              memory=request.min_free, share=request.share, command=command)
     return Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request), held), \
         candidates, ""
+
+
+def _holder_pids(leases: Sequence[LeaseRecord]) -> dict[int, set[int]]:
+    """For share leases held on this host: the holder's pid and all its descendants' pids."""
+    here = os.uname().nodename
+    pids = {r.pid for r in leases if r.share and r.host == here}
+    if not pids:
+        return {}
+    import psutil
+
+    out: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            out[pid] = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.Error:
+            out[pid] = {pid}
+    return out
 
 
 def _choose(candidates: list[Candidate], request: _Request) -> list[Candidate]:
