@@ -79,9 +79,12 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
 
 
 def _console() -> Any:  # a rich Console (rich is imported lazily)
+    import sys
+
     from rich.console import Console
 
-    return Console(highlight=False)
+    # piped or captured output gets a fixed, roomy width instead of rich's 80-column default
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 
 
 def _render(report: Any, no_processes: bool) -> Any:

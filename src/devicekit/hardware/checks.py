@@ -17,7 +17,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -39,8 +38,6 @@ __all__ = [
 
 Status = Literal["pass", "warn", "fail", "skip"]
 STATUSES: tuple[Status, ...] = ("pass", "warn", "fail", "skip")
-
-_UUID_TOKEN = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/_-]+$")
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ def check_backend(inv: Inventory) -> Check:
         path = os.environ.get("DEVICEKIT_SIMULATE", "?")
         return Check("nvml", "pass", f"simulated GPUs from {path} (DEVICEKIT_SIMULATE); NVML not used")
     if inv.backend == "none":
-        return Check("nvml", "warn", f"{inv.problem or 'NVML not available'}; GPUs cannot be used")
+        return Check("nvml", "warn", inv.problem or "NVML not available: no GPUs can be used")
     parts = [f"driver {inv.driver_version or '?'}"]
     if inv.cuda_driver_version:
         parts.append(f"supports CUDA <= {inv.cuda_driver_version}")
@@ -144,80 +141,59 @@ def check_gpus(inv: Inventory) -> Check:
     return Check("gpus", "pass", summary)
 
 
-def _is_index(token: str) -> bool:
-    return re.fullmatch(r"[+-]?\d+", token) is not None
+def _index_based(raw: str | None) -> bool:
+    return bool(raw) and any(t.strip().isdigit() for t in (raw or "").split(","))
 
 
 def check_device_order(inv: Inventory, env: Mapping[str, str]) -> Check:
     """CUDA_DEVICE_ORDER: garbage values, and the FASTEST_FIRST trap on mixed machines."""
-    order = env.get("CUDA_DEVICE_ORDER")
-    if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        return Check("cuda_device_order", "fail",
-                     f"CUDA_DEVICE_ORDER={order!r} is not PCI_BUS_ID or FASTEST_FIRST; "
-                     "set CUDA_DEVICE_ORDER=PCI_BUS_ID")
-    mixed = len({g.name for g in inv.gpus}) > 1
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    index_based = bool(visible) and any(_is_index(t.strip()) for t in visible.split(","))
-    if order != "PCI_BUS_ID" and mixed:
-        what = "CUDA_VISIBLE_DEVICES indices and torch ordinals" if index_based else \
-            "torch's cuda:N"
-        return Check("cuda_device_order", "warn",
-                     f"CUDA_DEVICE_ORDER is {order or 'unset (FASTEST_FIRST)'} on a machine with "
-                     f"mixed GPU models, so {what} may not match nvidia-smi's numbering; "
-                     "export CUDA_DEVICE_ORDER=PCI_BUS_ID (or use GPU UUIDs)")
+    from devicekit.hardware.visible import cuda_order, ordering_note
+
+    name = "cuda_device_order"
+    try:
+        order = cuda_order(env)
+    except DeviceKitError as exc:
+        return Check(name, "fail", str(exc))
+    note = ordering_note(inv.gpus, env)
+    if note:
+        raw = env.get("CUDA_VISIBLE_DEVICES")
+        if _index_based(raw):
+            return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} uses indices but {note}")
+        return Check(name, "warn", note[0].upper() + note[1:])
     if order == "PCI_BUS_ID":
-        return Check("cuda_device_order", "pass", "PCI_BUS_ID: torch ordinals follow nvidia-smi")
-    return Check("cuda_device_order", "pass",
-                 f"{order or 'unset'}; harmless here (all GPUs are the same model)")
+        return Check(name, "pass", "PCI_BUS_ID: CUDA numbers GPUs like nvidia-smi")
+    set_or_not = "unset (FASTEST_FIRST)" if not env.get("CUDA_DEVICE_ORDER") else order
+    return Check(name, "pass", f"{set_or_not}; harmless here (no mix of GPU models)")
 
 
 def check_visible_devices(inv: Inventory, env: Mapping[str, str]) -> Check:
     """CUDA_VISIBLE_DEVICES: parseable, names GPUs that exist, no duplicates."""
+    import warnings
+
+    from devicekit.hardware.visible import visible_devices
+
     name = "cuda_visible_devices"
     raw = env.get("CUDA_VISIBLE_DEVICES")
-    count = len(inv.gpus)
     if raw is None:
-        return Check(name, "pass", f"unset: all {count} GPU(s) visible")
-    if raw.strip() == "":
-        return Check(name, "warn", "CUDA_VISIBLE_DEVICES is set but empty, so CUDA sees no GPU; "
-                     "unset it to use the GPUs")
-    tokens = [t.strip() for t in raw.split(",")]
-    known_uuids = [g.uuid for g in inv.gpus] + [m.uuid for g in inv.gpus for m in g.mig_devices]
-    seen: dict[str, str] = {}
-    for position, token in enumerate(tokens):
-        if _is_index(token):
-            index = int(token)
-            if index < 0:
-                if position == 0:
-                    return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU "
-                                 "(a negative index ends the list); unset it to use the GPUs")
-                return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r}: {token!r} is negative, "
-                             "so CUDA ignores it and every entry after it; remove it")
-            if inv.gpus and index >= count:
-                return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r} names GPU {index} but only "
-                             f"{count} exist (0..{count - 1}); CUDA ignores it and every entry "
-                             "after it")
-            key = inv.gpus[index].uuid if inv.gpus else token.lstrip("+")
-        elif _UUID_TOKEN.match(token):
-            matches = [u for u in known_uuids if u.startswith(token)]
-            if inv.gpus and not matches:
-                return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r}: {token!r} matches no GPU "
-                             "here; see 'devicekit status' for the UUIDs")
-            if len(matches) > 1:
-                return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r}: {token!r} matches "
-                             f"{len(matches)} GPUs; write more of the UUID")
-            key = matches[0] if matches else token
-        else:
-            return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r}: {token!r} is not a GPU index "
-                         "or UUID; write e.g. CUDA_VISIBLE_DEVICES=0,1 or GPU-<uuid>")
-        if key in seen:
-            return Check(name, "fail", f"CUDA_VISIBLE_DEVICES={raw!r} lists {seen[key]!r} and "
-                         f"{token!r}, the same GPU twice; list each GPU once")
-        seen[key] = token
-    if any(t.startswith("MIG-") for t in tokens) and len(tokens) > 1:
-        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} lists several MIG instances; "
-                     "a CUDA process can use only one of them")
-    return Check(name, "pass", f"{raw!r}: {len(tokens)} device(s) visible")
+        return Check(name, "pass", f"unset: all {len(inv.gpus)} GPU(s) visible")
+    if inv.failed or not inv.gpus:
+        return Check(name, "skip", f"CUDA_VISIBLE_DEVICES={raw!r}; no GPUs here to check it against")
+    try:
+        with warnings.catch_warnings():  # the ordering trap is check_device_order's line
+            warnings.simplefilter("ignore")
+            devices = visible_devices(inv.gpus, env)
+    except DeviceKitError as exc:
+        return Check(name, "fail", str(exc))
+    if not devices:
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU, so CUDA sees "
+                     "none; unset it to use the GPUs")
+    migs = [d for d in devices if d.mig is not None]
+    if migs and len(devices) > 1:
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} lists several devices with a MIG "
+                     "instance among them; a CUDA process can use only one MIG instance")
+    shown = ", ".join(f"cuda:{d.ordinal}=GPU {d.gpu.index}" + (f" MIG {d.mig.index}" if d.mig else "")
+                      for d in devices)
+    return Check(name, "pass", f"{raw!r}: {shown}")
 
 
 def check_lease_dir() -> Check:
@@ -257,12 +233,19 @@ def run_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> l
 
 
 def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:
-    raw = env.get("CUDA_VISIBLE_DEVICES")
-    if inv.failed:
+    """How many devices CUDA will show (None where that cannot be told)."""
+    import warnings
+
+    from devicekit.hardware.visible import visible_devices
+
+    if inv.failed or not inv.gpus:
         return None
-    if raw is None:
-        return len(inv.gpus)
-    return len([t for t in raw.split(",") if t.strip() and not t.strip().startswith("-")])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return len(visible_devices(inv.gpus, env))
+    except DeviceKitError:
+        return None
 
 
 def summarize(checks: Sequence[Check]) -> dict[str, int]:

@@ -63,7 +63,8 @@ def render_status(report: StatusReport, *, all_processes: bool = True,
     for warning in report.warnings:
         parts.append(Text(f"warning: {warning}", style="yellow"))
     if not report.gpus:
-        parts.append(Text("no GPUs found" + (f" (backend: {report.backend})")))
+        if report.backend != "none":  # for "none" the warning above already says why
+            parts.append(Text(f"no GPUs found (backend: {report.backend})"))
     else:
         parts.append(_gpu_table(report))
         if all_processes and any(g.processes for g in report.gpus):
@@ -103,13 +104,17 @@ def _util_style(value: float | None) -> str:
 def _memory_cell(gpu: GPU) -> tuple[str, str]:
     share = gpu.memory_used / gpu.memory_total if gpu.memory_total else 0.0
     style = "red" if share >= 0.8 else "yellow" if share >= 0.3 else "green"
-    return f"{format_size(gpu.memory_used)} / {format_size(gpu.memory_total)}", style
+    if gpu.memory_total >= 2**30:  # "70.0/80 GiB": compact enough for an 80-column terminal
+        text = f"{gpu.memory_used / 2**30:.1f}/{gpu.memory_total / 2**30:.0f} GiB"
+    else:
+        text = f"{format_size(gpu.memory_used)}/{format_size(gpu.memory_total)}"
+    return text, style
 
 
 def _power_cell(gpu: GPU) -> str:
     if gpu.power_draw is None:
         return "n/a"
-    limit = f" / {gpu.power_limit:.0f}" if gpu.power_limit is not None else ""
+    limit = f"/{gpu.power_limit:.0f}" if gpu.power_limit is not None else ""
     return f"{gpu.power_draw:.0f}{limit} W"
 
 
@@ -122,7 +127,7 @@ def _users(gpu: GPU) -> str:
 
 def _lease_cell(leases: list[LeaseRecord]) -> str:
     if not leases:
-        return "free"
+        return "-"
     if len(leases) == 1:
         r = leases[0]
         mem = f" {format_size(r.memory)}" if r.memory is not None else ""
@@ -133,37 +138,79 @@ def _lease_cell(leases: list[LeaseRecord]) -> str:
     return f"{len(leases)} shared: {','.join(users)}{mem}"
 
 
-def _gpu_table(report: StatusReport) -> Any:
-    from rich.table import Table
+_GPU_HEADERS = ("GPU", "Name", "Util", "Mem-BW", "Memory used", "Temp", "Power", "Users",
+                "Lease")
+_RIGHT = {0, 2, 3, 4, 5, 6}
+# column -> narrowest width, in the order they give way (the GPU name last); with an ellipsis
+_FLEXIBLE = {8: 5, 7: 5, 1: 10}
 
+
+def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
     from devicekit.hardware.status import leases_by_gpu
 
     grouped, _ = leases_by_gpu(report.gpus, report.leases)
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    table.add_column("GPU", justify="right")
-    table.add_column("Name", overflow="ellipsis", max_width=28)
-    table.add_column("Util", justify="right")
-    table.add_column("Mem-BW", justify="right")
-    table.add_column("Memory used / total", justify="right")
-    table.add_column("Temp", justify="right")
-    table.add_column("Power", justify="right")
-    table.add_column("Procs: users", overflow="ellipsis", max_width=24)
-    table.add_column("Lease", overflow="ellipsis", max_width=28)
+    rows = []
     for gpu in report.gpus:
         memory, memory_style = _memory_cell(gpu)
         name = gpu.name + (f" [MIG x{len(gpu.mig_devices)}]" if gpu.mig_enabled else "")
-        table.add_row(
-            str(gpu.index),
-            name,
+        rows.append([
+            (str(gpu.index), ""),
+            (name, ""),
             (_pct(gpu.utilization), _util_style(gpu.utilization)),
-            (_pct(gpu.memory_bandwidth_utilization), _util_style(gpu.memory_bandwidth_utilization)),
+            (_pct(gpu.memory_bandwidth_utilization),
+             _util_style(gpu.memory_bandwidth_utilization)),
             (memory, memory_style),
-            "n/a" if gpu.temperature is None else f"{gpu.temperature}C",
-            _power_cell(gpu),
-            _users(gpu),
-            _lease_cell(grouped.get(gpu.uuid, [])),
-        )
-    return table
+            ("n/a" if gpu.temperature is None else f"{gpu.temperature}C", ""),
+            (_power_cell(gpu), ""),
+            (_users(gpu), ""),
+            (_lease_cell(grouped.get(gpu.uuid, [])), ""),
+        ])
+    return rows
+
+
+def fit_widths(natural: list[int], minimum: dict[int, int], budget: int) -> list[int]:
+    """Shrink flexible columns to fit ``budget``: each in ``minimum``'s order, down to its minimum."""
+    widths = list(natural)
+    for column, narrowest in minimum.items():
+        excess = sum(widths) - budget
+        if excess <= 0:
+            break
+        widths[column] = max(narrowest, widths[column] - excess)
+    return widths
+
+
+class _GPUTable:
+    """The GPU table, sized to the console: numbers keep their width, text columns shrink."""
+
+    def __init__(self, report: StatusReport) -> None:
+        self.rows = _gpu_rows(report)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.table import Table
+        from rich.text import Text
+
+        budget = options.max_width - 2 * (len(_GPU_HEADERS) - 1)  # one space each side of a cell
+        rows = self.rows
+        widths = fit_widths(_natural(rows), _FLEXIBLE, budget)
+        if widths[1] < _natural(rows)[1]:  # too narrow: drop the "NVIDIA " every name starts with
+            rows = [[row[0], (row[1][0].removeprefix("NVIDIA "), row[1][1]), *row[2:]]
+                    for row in rows]
+            widths = fit_widths(_natural(rows), _FLEXIBLE, budget)
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for i, header in enumerate(_GPU_HEADERS):
+            table.add_column(header, justify="right" if i in _RIGHT else "left", no_wrap=True,
+                             overflow="ellipsis", width=widths[i])
+        for row in rows:
+            table.add_row(*(Text(text, style=style) for text, style in row))
+        yield table
+
+
+def _natural(rows: list[list[tuple[str, str]]]) -> list[int]:
+    return [max([len(h)] + [len(row[i][0]) for row in rows]) for i, h in enumerate(_GPU_HEADERS)]
+
+
+def _gpu_table(report: StatusReport) -> Any:
+    return _GPUTable(report)
 
 
 def _short(command: str | None) -> str:
