@@ -28,8 +28,8 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     """Start ``python -c CODE`` children; every one is killed and reaped at the end of the test."""
     children: list[subprocess.Popen[str]] = []
 
-    def start(code: str, **popen: object) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(),
+    def start(code: str, *args: str, **popen: object) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], env=child_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 **popen)  # type: ignore[call-overload]
         children.append(proc)

@@ -251,6 +251,15 @@ def torch_ordinal(gpu: GPU | str, gpus: Sequence[GPU] | None = None,
             f"first touches CUDA, or select among visible GPUs"
         )
     env = os.environ if env is None else env
+    if gpus is None:
+        from devicekit.hardware.inventory import gpus as snapshot
+
+        gpus = snapshot()
+    raw = env.get(VISIBLE_ENV)
+    note = ordering_note(gpus, env)
+    if note and raw is None:  # CUDA's FASTEST_FIRST numbering can only be estimated here
+        warnings.warn(f"cuda ordinal of {uuid} is estimated: {note}", DeviceOrderWarning,
+                      stacklevel=2)
     for device in visible_devices(gpus, env):
         if _normalise(device.uuid) == _normalise(uuid):
             return device.ordinal
