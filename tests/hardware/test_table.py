@@ -146,3 +146,12 @@ def test_broken_lease_dir_is_a_warning_not_a_crash(simulate, tmp_path, monkeypat
     assert len(report.gpus) == 1
     assert len(report.warnings) == 1 and "symlink" in report.warnings[0]
     assert "warning: leases not shown" in _text(render_status(report))
+
+
+def test_status_does_not_create_the_lease_dir(simulate, tmp_path, monkeypatch):
+    simulate([h100(mig=[{"name": "1g.10gb", "memory_total": "10GiB", "memory_used": "1GiB"}])])
+    missing = tmp_path / "not-yet"
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(missing))
+    doc = collect_status().to_dict()
+    assert not missing.exists() and doc["warnings"] == [] and doc["gpus"][0]["leases"] == []
+    assert doc["gpus"][0]["mig_devices"][0]["memory_free"] == 9 * GiB

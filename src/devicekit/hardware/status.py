@@ -15,9 +15,11 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from devicekit.errors import LeaseError
@@ -59,6 +61,8 @@ class StatusReport:
         gpus = []
         for gpu in self.gpus:
             entry = gpu.to_dict()
+            for mig, mig_entry in zip(gpu.mig_devices, entry["mig_devices"], strict=True):
+                mig_entry["memory_free"] = mig.memory_free
             entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])]
             gpus.append(entry)
         return {
@@ -101,6 +105,13 @@ def leases_by_gpu(gpus: Iterable[GPU], leases: Sequence[LeaseRecord]
     return grouped, orphans
 
 
+def _lease_dir_exists() -> bool:
+    from devicekit.hardware.leases import DEFAULT_LEASE_DIR, LEASE_DIR_ENV
+
+    raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
+    return os.path.lexists(Path(raw).expanduser())  # lexists: a symlink is reported, not followed
+
+
 def collect_status(*, include_leases: bool = True) -> StatusReport:
     """Snapshot the host, every GPU and the live leases.
 
@@ -118,7 +129,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
     if source.name == "none" and reason:
         warnings.append(str(reason))
     leases: tuple[LeaseRecord, ...] = ()
-    if include_leases:
+    if include_leases and _lease_dir_exists():  # a read-only look: never create the directory
         from devicekit.hardware.leases import read_leases
 
         try:
