@@ -211,3 +211,21 @@ def test_bytes_from_old_bindings_are_decoded(fake_nvml):
     backend = NVMLBackend()
     assert backend.snapshot()[0].name == "NVIDIA H100 80GB HBM3"
     assert backend.driver_version() == "535.104.05"
+
+
+def test_gpu_fenced_off_by_a_job_allocation_is_left_out(fake_nvml):
+    from devicekit.hardware.status import collect_status
+
+    module = fake_nvml([FakeDevice(UUID0), FakeDevice(UUID1), FakeDevice("GPU-3")])
+    original = module.nvmlDeviceGetHandleByIndex
+
+    def fenced(index):
+        if index == 1:
+            raise module.NVMLError(ERROR_CODES["NVML_ERROR_NO_PERMISSION"])
+        return original(index)
+
+    module.nvmlDeviceGetHandleByIndex = fenced
+    gpus = inventory.gpus()
+    assert [(g.index, g.uuid) for g in gpus] == [(0, UUID0), (2, "GPU-3")]  # indices kept
+    report = collect_status()
+    assert any("GPU 1 is not accessible" in w for w in report.warnings)

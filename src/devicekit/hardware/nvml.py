@@ -95,10 +95,24 @@ class NVMLBackend:
         self._unsupported = _error_classes(self._nvml, _UNSUPPORTED_ERRORS)
         self._init()
         count = self._call(self._nvml.nvmlDeviceGetCount, what="count the GPUs")
-        self._handles: list[Any] = [
-            self._call(self._nvml.nvmlDeviceGetHandleByIndex, i, what=f"open GPU {i}")
-            for i in range(count)
-        ]
+        #: GPUs NVML lists but will not open for this process, one line each (shown by status)
+        self.problems: list[str] = []
+        # (NVML index, handle); a GPU fenced off from this process (a Slurm/cgroup allocation
+        # leaves the others listed but NO_PERMISSION) is left out, keeping the others' indices
+        self._handles: list[tuple[int, Any]] = []
+        no_permission = _error_classes(self._nvml, ("NVMLError_NoPermission",))
+        for i in range(count):
+            try:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
+            except no_permission:
+                self.problems.append(f"GPU {i} is not accessible to this process (NVML: "
+                                     "Insufficient Permissions); it belongs to another job")
+                continue
+            except self._nvml.NVMLError as exc:
+                raise BackendError(
+                    f"NVML failed to open GPU {i} ({exc}); check 'nvidia-smi' and the driver"
+                ) from None
+            self._handles.append((i, handle))
         self._static: dict[int, dict[str, Any]] = {}
 
     # -- set-up -----------------------------------------------------------------------------
@@ -170,7 +184,7 @@ class NVMLBackend:
 
     def snapshot(self) -> list[GPU]:
         """One :class:`GPU` per physical device, in NVML (PCI bus) order."""
-        return [self._gpu(i, handle) for i, handle in enumerate(self._handles)]
+        return [self._gpu(i, handle) for i, handle in self._handles]
 
     def _static_facts(self, index: int, handle: Any) -> dict[str, Any]:
         """Facts that cannot change while the process runs: read once per GPU."""

@@ -128,6 +128,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
     reason = getattr(source, "reason", None)
     if source.name == "none" and reason:
         warnings.append(str(reason))
+    warnings.extend(str(p) for p in getattr(source, "problems", ()))
     leases: tuple[LeaseRecord, ...] = ()
     if include_leases and _lease_dir_exists():  # a read-only look: never create the directory
         from devicekit.hardware.leases import read_leases
