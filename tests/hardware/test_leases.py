@@ -179,3 +179,62 @@ def test_leases_work_across_processes_with_env_dir(tmp_path):
                          timeout=30, check=True).stdout
     assert out.strip() == "0"
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o1777
+
+
+OTHER_USER = """
+import json, os, sys, time
+from devicekit.errors import LeaseError
+from devicekit.hardware.leases import Lease, lease_dir, read_leases
+os.setgid(65534)
+os.setuid(65534)  # from here on this process is another, unprivileged user
+out = {"seen": [(r.gpu_uuid, r.user) for r in read_leases()]}
+theirs = [n for n in os.listdir(lease_dir()) if n.endswith(".lease")][0]
+try:
+    os.unlink(lease_dir() / theirs)
+    out["unlink"] = "deleted"
+except PermissionError:
+    out["unlink"] = "refused"
+try:
+    Lease.acquire(["GPU-root"])
+    out["hijack"] = "taken"
+except LeaseError:
+    out["hijack"] = "refused"
+mine = Lease.acquire(["GPU-other"])
+print(json.dumps(out), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
+def test_two_users_share_a_root_owned_directory(spawn, monkeypatch):
+    import pwd
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
+    try:
+        os.chmod(directory, 0o1777)
+        monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
+        with Lease.acquire(["GPU-root"]):
+            proc = spawn(OTHER_USER)
+            result = json.loads(wait_line(proc, timeout=30))
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            assert result == {"seen": [["GPU-root", me]], "unlink": "refused", "hijack": "refused"}
+            other = pwd.getpwuid(65534).pw_name if _has_uid(65534) else "65534"
+            assert [(r.gpu_uuid, r.user) for r in read_leases()] == [
+                ("GPU-root", me), ("GPU-other", other)]
+            proc.kill()
+            proc.wait(timeout=10)
+            assert [r.gpu_uuid for r in read_leases()] == ["GPU-root"]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _has_uid(uid: int) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False

@@ -284,3 +284,39 @@ def test_sixteen_processes_queue_with_wait(simulate, spawn, tmp_path):
         spans.sort()
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
     assert sum(len(s) for s in by_gpu.values()) == 16
+
+
+def test_share_budget_counts_memory_used_by_the_holders_children(simulate, spawn):
+    """A share lease held by `devicekit run` whose child already uses its budget: not counted twice."""
+    import os
+
+    from tests.hardware.conftest import wait_line
+
+    code = """
+import subprocess, sys, time
+from devicekit.hardware.leases import Lease
+lease = Lease.acquire([sys.argv[1]], memory=30 * 2**30, share=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+try:
+    time.sleep(60)
+finally:
+    child.kill()
+"""
+    path = simulate([h100()])
+    uuid = dk.gpus()[0].uuid
+    proc = spawn(code, uuid)
+    child = int(wait_line(proc))
+    try:
+        # the child uses 30 GiB of the GPU: 50 GiB free, and the holder's 30 GiB budget is spent
+        path.write_text(json.dumps({"gpus": [h100(used="30GiB", processes=[
+            {"pid": child, "user": "bob", "memory": "30GiB"}])]}))
+        with select_gpus(1, min_free_memory="45GiB", share=True):
+            pass
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        try:
+            os.kill(child, 9)
+        except ProcessLookupError:
+            pass

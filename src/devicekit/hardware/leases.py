@@ -35,20 +35,26 @@ import errno
 import fcntl
 import json
 import os
-import pwd
 import re
-import secrets
 import shlex
-import socket
 import stat
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from devicekit.errors import LeaseError
+from devicekit.hardware.lease_directory import (
+    DEFAULT_LEASE_DIR,
+    LEASE_DIR_ENV,
+    OPEN_FLAGS,
+    directory_lock,
+    lease_dir,
+    resolve_directory,
+    user_name,
+)
 
 __all__ = [
     "LEASE_DIR_ENV",
@@ -61,12 +67,8 @@ __all__ = [
     "current_command",
 ]
 
-LEASE_DIR_ENV = "DEVICEKIT_LEASE_DIR"
-DEFAULT_LEASE_DIR = "/tmp/devicekit-leases"
 _SUFFIX = ".lease"
-_LOCK_NAME = ".lock"
 _TMP_PREFIX = ".tmp-"
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -113,115 +115,6 @@ def current_command() -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def lease_dir() -> Path:
-    """The lease directory, created (mode 1777) if missing and checked for safety.
-
-    Raises :class:`~devicekit.errors.LeaseError` when it is a symlink, not a directory, owned by
-    another non-root user, or writable by others without the sticky bit.
-    """
-    raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
-    path = Path(raw).expanduser()
-    if not path.is_absolute():
-        path = Path.cwd() / path
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise LeaseError(
-            f"lease directory {str(path)!r} cannot be created ({exc.strerror}); "
-            f"set {LEASE_DIR_ENV} to a writable directory"
-        ) from None
-    else:
-        # chmod after mkdir so the umask cannot narrow it; the sticky bit keeps files private
-        os.chmod(path, 0o1777)
-    _check_dir(path)
-    return path
-
-
-def _check_dir(path: Path) -> None:
-    try:
-        info = os.lstat(path)
-    except OSError as exc:
-        raise LeaseError(f"lease directory {str(path)!r} cannot be read ({exc.strerror})") from None
-    fix = f"set {LEASE_DIR_ENV} to a directory of your own, or ask an admin to run 'sudo install -d -m 1777 {path}'"
-    if stat.S_ISLNK(info.st_mode):
-        raise LeaseError(f"lease directory {str(path)!r} is a symlink, which devicekit never follows; {fix}")
-    if not stat.S_ISDIR(info.st_mode):
-        raise LeaseError(f"lease directory {str(path)!r} is not a directory; {fix}")
-    me = os.geteuid()
-    if info.st_uid not in (0, me):
-        raise LeaseError(
-            f"lease directory {str(path)!r} is owned by {_user_name(info.st_uid)}, who could delete "
-            f"or replace anyone's leases; {fix}"
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-        raise LeaseError(
-            f"lease directory {str(path)!r} is writable by others without the sticky bit, so "
-            f"anyone could delete leases; run 'chmod +t {path}' or {fix}"
-        )
-
-
-def _resolve(directory: str | os.PathLike[str] | None) -> Path:
-    if directory is None:
-        return lease_dir()
-    path = Path(directory)
-    _check_dir(path)
-    return path
-
-
-@contextlib.contextmanager
-def directory_lock(directory: str | os.PathLike[str] | None = None, *,
-                   timeout: float = 30.0) -> Iterator[Path]:
-    """Hold the directory-wide lock: choose-and-reserve is atomic across processes.
-
-    Yields the lease directory. Raises :class:`LeaseError` if the lock cannot be had within
-    ``timeout`` seconds (a process is stuck holding it).
-    """
-    path = _resolve(directory)
-    lock_path = path / _LOCK_NAME
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | _OPEN_FLAGS, 0o644)
-    except OSError as exc:
-        raise LeaseError(
-            f"lease lock {str(lock_path)!r} cannot be opened ({exc.strerror}); it must be a "
-            f"regular readable file (not a symlink); remove it or set {LEASE_DIR_ENV}"
-        ) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise LeaseError(f"lease lock {str(lock_path)!r} is not a regular file; remove it")
-        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o644:
-            os.fchmod(fd, 0o644)  # readable by every user, so all of them can lock it
-        deadline = time.monotonic() + timeout
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LeaseError(
-                        f"lease lock {str(lock_path)!r} is held by another process for more than "
-                        f"{timeout:g} s; find it with 'fuser {lock_path}'"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
-        try:
-            yield path
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
 def _lease_files(path: Path) -> list[str]:
     try:
         return sorted(os.listdir(path))
@@ -232,12 +125,15 @@ def _lease_files(path: Path) -> list[str]:
 def _probe(path: Path) -> tuple[bool, os.stat_result] | None:
     """Open ``path`` safely; return (live, stat) or None when it vanished or is not a lease."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ELOOP):
             return None
         if exc.errno == errno.EACCES:  # unreadable: assume live, we cannot tell
-            return True, os.lstat(path)
+            try:
+                return True, os.lstat(path)
+            except OSError:
+                return None
         raise
     try:
         info = os.fstat(fd)
@@ -253,9 +149,21 @@ def _probe(path: Path) -> tuple[bool, os.stat_result] | None:
         os.close(fd)
 
 
+def _from_name(path: Path, info: os.stat_result) -> LeaseRecord | None:
+    """A record from the file name alone (``<uuid>.<pid>.<token>.lease``) for an unreadable file."""
+    parts = path.name[: -len(_SUFFIX)].rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return LeaseRecord(gpu_uuid=parts[0], pid=int(parts[1]), user=user_name(info.st_uid),
+                       host="", command="(unreadable lease file)", since=info.st_mtime,
+                       memory=None, share=False)
+
+
 def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
     try:
-        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except PermissionError:  # live but unreadable: still counts, as an exclusive lease
+        return _from_name(path, info)
     except OSError:
         return None
     try:
@@ -270,7 +178,7 @@ def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
         return LeaseRecord(
             gpu_uuid=str(data["gpu_uuid"]),
             pid=int(data["pid"]),
-            user=_user_name(info.st_uid),  # the file owner, not what the file claims
+            user=user_name(info.st_uid),  # the file owner, not what the file claims
             host=str(data.get("host", "")),
             command=str(data.get("command", "")),
             since=float(data.get("since", info.st_mtime)),
@@ -289,7 +197,7 @@ def read_leases(directory: str | os.PathLike[str] | None = None, *,
     call it only while holding :func:`directory_lock` (selection does), so that a file still
     being written by a live process is never taken for stale.
     """
-    path = _resolve(directory)
+    path = resolve_directory(directory)
     records: list[LeaseRecord] = []
     for name in _lease_files(path):
         file = path / name
@@ -354,8 +262,8 @@ class Lease:
         records: list[LeaseRecord] = []
         fds: list[int] = []
         paths: list[Path] = []
-        user = _user_name(os.geteuid())
-        host = socket.gethostname()
+        user = user_name(os.geteuid())
+        host = os.uname().nodename
         cmd = command if command is not None else current_command()
         now = time.time()
         try:
@@ -403,12 +311,12 @@ class Lease:
 
 def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
     """Write ``record`` atomically: a locked temp file renamed into place; return (fd, path)."""
-    token = secrets.token_hex(6)
+    token = os.urandom(6).hex()
     name = f"{_SAFE.sub('_', record.gpu_uuid)}.{record.pid}.{token}{_SUFFIX}"
     tmp = directory / f"{_TMP_PREFIX}{token}"
     final = directory / name
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644)
     except OSError as exc:
         raise LeaseError(
             f"cannot write a lease in {str(directory)!r} ({exc.strerror}); "
@@ -418,7 +326,8 @@ def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
         os.fchmod(fd, 0o644)  # readable by all users so they can see (and test) the lease
         fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has its final name: never seen stale
         os.write(fd, record.to_json().encode())
-        os.fsync(fd)
+        # no fsync: a lease only matters while its holder runs, and a crash of the machine ends
+        # every holder; rename alone makes the complete file appear at once to other processes
         os.rename(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):

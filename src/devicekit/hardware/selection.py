@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from devicekit.units import format_size, parse_percent, parse_size
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ORDERS", "Selection", "select_gpus", "Candidate", "assess"]
+__all__ = ["ORDERS", "FORMATS", "Selection", "Candidate", "select_gpus"]
 
 ORDERS = ("free-memory", "utilization", "index", "random")
 FORMATS = ("uuid", "index")
@@ -174,13 +173,19 @@ def _excluded(gpus: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
 
 
 def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request,
-           visible: set[str], visible_note: str) -> list[Candidate]:
-    """Judge every GPU against the request (pure: no I/O), in NVML order."""
+           visible: set[str], visible_note: str,
+           holder_pids: dict[int, set[int]] | None = None) -> list[Candidate]:
+    """Judge every GPU against the request (pure: no I/O), in NVML order.
+
+    ``holder_pids`` maps a lease's pid to the pids that use memory on its behalf (itself and
+    its descendants, e.g. the command ``devicekit run`` started).
+    """
+    holder_pids = holder_pids or {}
     excluded = _excluded(gpus, request.exclude)
     out = []
     for gpu in gpus:
         reasons: list[str] = []
-        mine = [r for r in leases if r.gpu_uuid == gpu.uuid]
+        on_gpu = [r for r in leases if r.gpu_uuid == gpu.uuid]
         available = gpu.memory_free + sum(
             p.memory or 0 for p in gpu.processes if p.user in request.account_as_free)
         available = min(available, gpu.memory_total)
@@ -194,17 +199,17 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
             reasons.append("compute mode is prohibited")
         elif gpu.compute_mode == "exclusive_process" and gpu.processes:
             reasons.append(f"compute mode is exclusive_process and pid {gpu.processes[0].pid} uses it")
-        exclusive = [r for r in mine if not r.share]
+        exclusive = [r for r in on_gpu if not r.share]
         if exclusive:
             reasons.append(exclusive[0].describe())
-        elif mine and not request.share:
-            reasons.append(f"shared by {len(mine)} lease(s): {mine[0].describe()}")
-        elif mine:
+        elif on_gpu and not request.share:
+            reasons.append(f"shared by {len(on_gpu)} lease(s): {on_gpu[0].describe()}")
+        elif on_gpu:
             # share leases budget memory: what each holder asked minus what it already uses
-            by_pid = {p.pid: p.memory or 0 for p in gpu.processes}
-            available -= sum(max((r.memory or 0) - by_pid.get(r.pid, 0), 0) for r in mine)
+            available -= sum(max((r.memory or 0) - _used_by(gpu, holder_pids.get(r.pid, {r.pid})), 0)
+                             for r in on_gpu)
         if request.min_free is not None and available < request.min_free:
-            what = "free" if not mine else "free after shared leases"
+            what = "free" if not on_gpu else "free after shared leases"
             reasons.append(f"{format_size(max(available, 0))} {what} < "
                            f"{format_size(request.min_free)} asked")
         if (request.max_util is not None and gpu.utilization is not None
@@ -214,12 +219,19 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
     return out
 
 
+def _used_by(gpu: GPU, pids: set[int]) -> int:
+    """GPU memory that the processes ``pids`` hold on ``gpu``."""
+    return sum(p.memory or 0 for p in gpu.processes if p.pid in pids)
+
+
 def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
     if order == "free-memory":
         return sorted(eligible, key=lambda c: (-c.available, c.gpu.index))
     if order == "utilization":
         return sorted(eligible, key=lambda c: (c.gpu.utilization or 0.0, -c.available, c.gpu.index))
     if order == "random":
+        import random  # imported here: it costs the CLI's cold start a few ms
+
         shuffled = list(eligible)
         random.shuffle(shuffled)
         return shuffled
@@ -233,12 +245,14 @@ def _attempt(request: _Request, lease: bool, command: str | None
     visible = {d.gpu.uuid for d in visible_devices(gpus) if d.mig is None}
     note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
     if not lease:
-        candidates = assess(gpus, read_leases(), request, visible, note)
+        held = read_leases()
+        candidates = assess(gpus, held, request, visible, note, _holder_pids(held))
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
     with directory_lock() as path:
-        candidates = assess(gpus, read_leases(path, cleanup=True), request, visible, note)
+        live = read_leases(path, cleanup=True)
+        candidates = assess(gpus, live, request, visible, note, _holder_pids(live))
         chosen = _choose(candidates, request)
         if not chosen:
             return None, candidates, _no_gpu_reason(gpus)
@@ -246,6 +260,23 @@ def _attempt(request: _Request, lease: bool, command: str | None
                              memory=request.min_free, share=request.share, command=command)
     return Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request), held), \
         candidates, ""
+
+
+def _holder_pids(leases: Sequence[LeaseRecord]) -> dict[int, set[int]]:
+    """For share leases held on this host: the holder's pid and all its descendants' pids."""
+    here = os.uname().nodename
+    pids = {r.pid for r in leases if r.share and r.host == here}
+    if not pids:
+        return {}
+    import psutil
+
+    out: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            out[pid] = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.Error:
+            out[pid] = {pid}
+    return out
 
 
 def _choose(candidates: list[Candidate], request: _Request) -> list[Candidate]:
