@@ -198,7 +198,8 @@ def check_visible_devices(inv: Inventory, env: Mapping[str, str]) -> Check:
 
 def check_lease_dir() -> Check:
     """The lease directory exists (or can be made), is not a symlink, is safe and writable."""
-    from devicekit.hardware.leases import lease_dir, read_leases
+    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.hardware.leases import read_leases
 
     try:
         path = lease_dir()

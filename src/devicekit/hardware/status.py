@@ -106,7 +106,7 @@ def leases_by_gpu(gpus: Iterable[GPU], leases: Sequence[LeaseRecord]
 
 
 def _lease_dir_exists() -> bool:
-    from devicekit.hardware.leases import DEFAULT_LEASE_DIR, LEASE_DIR_ENV
+    from devicekit.hardware.lease_directory import DEFAULT_LEASE_DIR, LEASE_DIR_ENV
 
     raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
     return os.path.lexists(Path(raw).expanduser())  # lexists: a symlink is reported, not followed
