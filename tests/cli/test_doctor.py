@@ -101,3 +101,22 @@ def test_no_driver_is_a_warning(capsys, monkeypatch):
     doc = json.loads(out)
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert code == 0 and status["nvml"] == "warn" and status["gpus"] == "skip"
+
+
+def test_no_torch_option_imports_no_torch(simulate):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import devicekit
+
+    simulate([h100()])
+    code = ("import sys\nfrom devicekit.cli.main import main\n"
+            "try:\n    main(['doctor', '--no-torch', '--json'])\nexcept SystemExit as e:\n"
+            "    rc = e.code\nprint('torch' in sys.modules, rc, file=sys.stderr)\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(devicekit.__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stderr.strip() == "False 0", done.stderr
+    assert [c["name"] for c in json.loads(done.stdout)["checks"]] == [
+        n for n in NAMES if n not in ("torch", "nccl")]

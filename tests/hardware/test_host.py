@@ -45,11 +45,19 @@ def test_host_does_not_sleep(monkeypatch):
     assert intervals == [None]  # the non-blocking reading, never psutil's sleeping one
 
 
-def test_cpu_percent_is_a_percentage():
-    host()
-    sum(i * i for i in range(200_000))  # some work between two readings
+def test_cpu_percent_needs_a_window(monkeypatch):
+    from devicekit.hardware import host as host_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(host_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(host_module, "_last_cpu_reading", [])
+    assert host().cpu_percent is None  # first reading of the process: no window yet
+    clock[0] += 0.01
+    assert host().cpu_percent is None  # 10 ms: too short to mean anything
+    clock[0] += 2.0
+    sum(i * i for i in range(100_000))  # some work between two readings
     value = host().cpu_percent
-    assert value is None or 0.0 <= value <= 100.0
+    assert value is not None and 0.0 <= value <= 100.0
 
 
 def test_usable_cpus_follows_affinity():

@@ -1,8 +1,10 @@
 """Facts about the machine itself (cores, memory, load, CPU affinity) via psutil; never sleeps.
 
 ``cpu_percent`` is psutil's non-blocking reading: the share of CPU time used since the previous
-``host()`` call (or since psutil was imported), so it is meaningful in a ``--watch`` loop and rough
-on a single call; ``load_average`` is the kernel's 1/5/15-minute run-queue average.
+``host()`` call. It is ``None`` when that was less than 0.1 s ago (the first call of a process,
+e.g. a one-shot ``devicekit status``), because so short a window says nothing; in a ``--watch``
+loop it is the usage between refreshes. ``load_average`` is the kernel's 1/5/15-minute
+run-queue average.
 ``usable_cpus`` counts the cores this process may run on (its affinity), which is what a
 DataLoader's ``num_workers`` should be sized by, not the machine's core count.
 
@@ -19,10 +21,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["Host", "host"]
+
+_MIN_CPU_WINDOW = 0.1  # seconds; a shorter cpu_percent window is noise
+_last_cpu_reading: list[float] = []  # monotonic time of the previous psutil.cpu_percent call
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Host:
     cpu_count_physical: int | None
     #: 1, 5 and 15-minute load averages (None where the OS has none)
     load_average: tuple[float, float, float] | None
-    #: % of all CPUs busy since the previous reading (non-blocking; see module docstring)
+    #: % of all CPUs busy since the previous reading; None on a first, too-short one (see above)
     cpu_percent: float | None
     memory_total: int
     memory_available: int
@@ -68,8 +74,13 @@ def host() -> Host:
         )
     except (OSError, AttributeError):
         load = None
+    percent: float | None
     try:
-        percent: float | None = float(psutil.cpu_percent(interval=None))
+        now = time.monotonic()
+        reading = float(psutil.cpu_percent(interval=None))  # never sleeps; resets the window
+        window = now - _last_cpu_reading[-1] if _last_cpu_reading else 0.0
+        _last_cpu_reading[:] = [now]
+        percent = reading if window >= _MIN_CPU_WINDOW else None
     except (OSError, psutil.Error):
         percent = None
     memory = psutil.virtual_memory()
