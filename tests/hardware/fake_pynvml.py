@@ -9,6 +9,7 @@ timestamp given). ``test_fake_matches_real_pynvml`` keeps the names honest again
 
 from __future__ import annotations
 
+import functools
 import string
 import time
 import types
@@ -108,13 +109,13 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
         NVMLError._valClassMapping[code] = cls
 
     def api(fn: Any) -> Any:
+        @functools.wraps(fn)  # keeps the signature, compared with the real one in the tests
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
             if args and isinstance(args[0], FakeDevice) and fn.__name__ in args[0].errors:
                 raise NVMLError(args[0].errors[fn.__name__])
             return fn(*args, **kwargs)
 
-        wrapper.__name__ = fn.__name__
         setattr(mod, fn.__name__, wrapper)
         return wrapper
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import inspect
 import os
 import sys
 
@@ -49,6 +50,11 @@ def test_fake_matches_real_pynvml():
     for name, code in ERROR_CODES.items():
         assert getattr(real, name) == code
         assert type(real.NVMLError(code)).__name__ == type(fake.NVMLError(code)).__name__
+    for name in public:  # same number of parameters, same defaults
+        if callable(getattr(fake, name)) and not isinstance(getattr(fake, name), type):
+            ours = inspect.signature(getattr(fake, name)).parameters.values()
+            theirs = inspect.signature(getattr(real, name)).parameters.values()
+            assert [p.default for p in ours] == [p.default for p in theirs], name
 
 
 def test_snapshot_reports_every_fact(fake_nvml):
