@@ -118,6 +118,14 @@ def test_driver_failure_exit_2(two, capsys, monkeypatch):
     assert err.startswith("devicekit: ") and "version mismatch" in err
 
 
+def test_malformed_simulation_file_one_line(simulate, capsys):
+    path = simulate([h100()])
+    path.write_text('{"gpus": [{"name": "x", "memory_total": "10XB"}]}')
+    code, out, err = run_cli(capsys, "--json")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert str(path) in err and "gpus[0].memory_total" in err
+
+
 def test_no_driver_shows_no_gpus(capsys, monkeypatch):
     from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, make_pynvml
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 
 import devicekit as dk
@@ -115,7 +116,7 @@ def test_show_utilization_prints_live_leases(simulate):
         out = buffer.getvalue()
         assert "python train.py" in out and "alice" in out
         row1 = next(line for line in out.splitlines() if line.lstrip().startswith("1 "))
-        assert f"({__import__('os').getpid()})" in row1 and "20 GiB" in row1
+        assert f"({os.getpid()})" in row1 and "20 GiB" in row1
         assert "python mine.py" in out
     buffer = io.StringIO()
     dk.show_utilization(file=buffer, all_processes=False)
