@@ -49,10 +49,11 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: bytes,
-               results: Any) -> None:
+               results: Any, hide_gpus: bool) -> None:
     """Entry point of one rank (runs in the spawned child)."""
+    if hide_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update({
-        "CUDA_VISIBLE_DEVICES": "",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -95,8 +96,11 @@ def _stop(processes: list[Any]) -> None:
 
 
 def run_gloo_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
-                   timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+                   timeout: float = 60.0, hide_gpus: bool = True, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo CPU ranks; return values in rank order.
+
+    ``hide_gpus=False`` leaves CUDA visible (gloo can all-reduce CUDA tensors too), for GPU
+    tests that want several ranks without NCCL or without one GPU per rank.
 
     ``fn`` and its arguments must be picklable (a module-level function, not a lambda), because
     each rank is a fresh ``spawn``-ed interpreter. Return values travel back through
@@ -118,7 +122,8 @@ def run_gloo_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     results = ctx.Queue()
     port = free_port()
     processes = [ctx.Process(target=_rank_main, name=f"devicekit-rank-{rank}", daemon=True,
-                             args=(rank, world_size, port, timeout, payload, results))
+                             args=(rank, world_size, port, timeout, payload, results,
+                                   hide_gpus))
                  for rank in range(world_size)]
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
