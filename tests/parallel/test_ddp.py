@@ -117,6 +117,5 @@ def test_unwrap_model_sees_through_wrappers() -> None:
 
 
 def test_save_ddp_checkpoint_rejects_reserved_extra_key(tmp_path) -> None:
-    pytest.importorskip("devicekit.placement.checkpoint")
     with pytest.raises(dk.InvalidValueError, match="model"):
         dk.save_ddp_checkpoint(nn.Linear(2, 2), None, tmp_path / "c.pt", model=1)

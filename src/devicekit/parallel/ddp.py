@@ -239,18 +239,18 @@ _RESERVED = ("model", "optimizer")
 
 
 def save_ddp_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                        path: str | Path, **extra: Any) -> None:
+                        path: str | Path, /, **extra: Any) -> None:
     """Save the unwrapped model's state dict (no ``module.`` prefix), the optimizer's, and ``extra``.
 
     Goes through :func:`devicekit.save_checkpoint`: an atomic write by rank 0 only, after which
     every rank waits at a barrier, so the file is complete when any rank returns. The saved
     state loads into a plain, unwrapped model too.
     """
-    from devicekit.placement.checkpoint import save_checkpoint
-
     clash = [key for key in _RESERVED if key in extra]
     if clash:
         raise InvalidValueError(f"extra key {clash[0]!r} is reserved; pick another name")
+    from devicekit.placement.checkpoint import save_checkpoint
+
     state: dict[str, Any] = {"model": unwrap_model(model).state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
