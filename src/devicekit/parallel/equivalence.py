@@ -81,7 +81,7 @@ class EquivalenceReport:
         lines = [f"{verdict}: {self.parallel} (world size {self.world_size}) vs one process, "
                  f"rtol={self.rtol:g} atol={self.atol:g}"]
         width = max([len(p.name) for p in self.parameters] + [9])
-        lines.append(f"  {'parameter':<{width}}  {'max abs diff':>12}  {'max rel diff':>12}  ")
+        lines.append(f"  {'parameter':<{width}}  {'max abs diff':>12}  {'max rel diff':>12}  result")
         for p in self.parameters:
             lines.append(f"  {p.name:<{width}}  {p.max_abs_diff:>12.3g}  {p.max_rel_diff:>12.3g}  "
                          f"{'ok' if p.passed else 'FAIL'}")
