@@ -103,3 +103,11 @@ def all_scenarios(checkpoint_path: str | None) -> dict[str, Any]:
     if checkpoint_path is not None:
         results["checkpoint"] = checkpoint_round_trip(checkpoint_path)
     return results
+
+
+def rank_one_fails() -> str:
+    """Rank 1 raises; rank 0 waits in a barrier that will never complete."""
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard on rank 1")
+    dist.barrier()
+    return "unreachable"

@@ -40,6 +40,9 @@ from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, Ra
 
 __all__ = ["run_gloo_ranks", "free_port"]
 
+#: after the first rank reports an error, how long to wait for the others' reports
+_GRACE_SECONDS = 2.0
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
@@ -72,13 +75,18 @@ def _rank_main(rank: int, world_size: int, port: int, timeout: float, payload: b
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         try:
             value = fn(*args, **kwargs)
-        finally:
+        except BaseException:
+            # Report (and time-stamp) before tearing the group down: the teardown makes the
+            # peers' collectives fail, and the parent blames the earliest error.
+            results.put((rank, "error", traceback.format_exc(), time.time()))
             dist.destroy_process_group()
+            return
+        dist.destroy_process_group()
         buffer = io.BytesIO()
         torch.save(value, buffer)  # plain bytes: no shared-memory handles outlive this process
-        results.put((rank, "ok", buffer.getvalue()))
+        results.put((rank, "ok", buffer.getvalue(), time.time()))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), time.time()))
 
 
 def _stop(processes: list[Any]) -> None:
@@ -126,31 +134,44 @@ def run_gloo_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
                                    hide_gpus))
                  for rank in range(world_size)]
     values: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str, str]] = {}  # rank -> (when, summary, traceback)
     deadline = time.monotonic() + timeout
+    grace_end: float | None = None
     try:
         for proc in processes:
             proc.start()
-        while len(values) < world_size:
+        while len(values) + len(errors) < world_size:
+            if grace_end is not None and time.monotonic() > grace_end:
+                break
             try:
-                rank, status, data = results.get(timeout=0.1)
+                rank, status, data, when = results.get(timeout=0.1)
             except queue_module.Empty:
                 for rank, proc in enumerate(processes):
-                    if rank not in values and proc.exitcode is not None and proc.exitcode != 0:
-                        raise RankFailedError(
-                            f"rank {rank} exited with code {proc.exitcode} before returning",
-                            rank) from None
-                if time.monotonic() > deadline:
+                    if (rank not in values and rank not in errors and proc.exitcode is not None
+                            and proc.exitcode != 0):
+                        errors[rank] = (time.time(), f"rank {rank} exited with code "
+                                        f"{proc.exitcode} before returning", "")
+                if time.monotonic() > deadline and not errors:
                     stuck = [r for r in range(world_size) if r not in values]
                     raise RankHangError(
                         f"rank(s) {stuck} did not finish within {timeout:g} s; raise timeout= "
                         f"if the step is just slow", stuck_ranks=stuck, stacks={}) from None
-                continue
-            if status == "error":
-                last_line = data.strip().splitlines()[-1] if data.strip() else "error"
-                raise RankFailedError(f"rank {rank} raised: {last_line}", rank, data)
-            import torch
+            else:
+                if status == "ok":
+                    import torch
 
-            values[rank] = torch.load(io.BytesIO(data), weights_only=False)
+                    values[rank] = torch.load(io.BytesIO(data), weights_only=False)
+                    continue
+                last_line = data.strip().splitlines()[-1] if data.strip() else "error"
+                errors[rank] = (when, f"rank {rank} raised: {last_line}", data)
+            if errors and grace_end is None:
+                # a failing rank makes its peers' collectives fail a moment later: wait briefly
+                # for every report, then blame the earliest
+                grace_end = time.monotonic() + _GRACE_SECONDS
+        if errors:
+            rank = min(errors, key=lambda r: errors[r][0])
+            _, summary, text = errors[rank]
+            raise RankFailedError(summary, rank, text)
     except (RankFailedError, RankHangError, InvalidValueError):
         raise
     except Exception as err:
