@@ -99,7 +99,7 @@ def checkpoint_round_trip(path: str) -> dict[str, Any]:
 def all_scenarios(checkpoint_path: str | None) -> dict[str, Any]:
     """Every scenario in one process group: each DDP start-up imports torch._dynamo (seconds)."""
     results = {"train": train_steps(3), "join": uneven_batches_with_join(),
-               "sampler": sampler_shards(12)}
+               "sampler": sampler_shards(12), "equivalence": equivalence_in_job()}
     if checkpoint_path is not None:
         results["checkpoint"] = checkpoint_round_trip(checkpoint_path)
     return results
@@ -111,3 +111,14 @@ def rank_one_fails() -> str:
         raise ValueError("bad shard on rank 1")
     dist.barrier()
     return "unreachable"
+
+
+def equivalence_in_job() -> dict[str, Any]:
+    """check_equivalence called inside a running 2-rank job uses the job's ranks."""
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())   # rank 0's batch is broadcast
+    batch = (torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen))
+    good = dk.check_equivalence(build_net, batch, nn.MSELoss())
+    summed = dk.check_equivalence(build_net, batch, nn.MSELoss(reduction="sum"),
+                                  raise_on_mismatch=False)
+    return {"good": (good.passed, good.world_size),
+            "summed": (summed.passed, summed.ratio, summed.diagnosis)}

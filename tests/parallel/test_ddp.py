@@ -119,3 +119,12 @@ def test_unwrap_model_sees_through_wrappers() -> None:
 def test_save_ddp_checkpoint_rejects_reserved_extra_key(tmp_path) -> None:
     with pytest.raises(dk.InvalidValueError, match="model"):
         dk.save_ddp_checkpoint(nn.Linear(2, 2), None, tmp_path / "c.pt", model=1)
+
+
+def test_check_equivalence_inside_a_running_job_uses_its_ranks(
+        ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["equivalence"]["good"] == (True, 2)
+        passed, ratio, diagnosis = r["equivalence"]["summed"]
+        assert not passed and ratio == pytest.approx(0.5, rel=1e-4)
+        assert diagnosis.startswith("sum vs mean reduction")

@@ -23,12 +23,8 @@ def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=gen), torch.randn(n, 2, generator=gen)
 
 
-def test_correct_ddp_setup_passes() -> None:
-    report = dk.check_equivalence(build, _batch(), nn.MSELoss(), world_size=2, timeout=TIMEOUT)
-    assert report.passed and report.parallel == "DDP" and report.world_size == 2
-    assert [p.name for p in report.parameters] == [n for n, _ in build().named_parameters()]
-    assert all(p.max_abs_diff < 1e-5 for p in report.parameters)
-    assert "gradients match" in str(report)
+# A correct DDP set-up passing is checked inside a running job in test_ddp.py (its ranks are
+# already started there); here the spawning path runs once, on the sum-reduction mistake.
 
 
 def test_sum_reduction_is_diagnosed_with_the_world_size_factor() -> None:
@@ -36,7 +32,9 @@ def test_sum_reduction_is_diagnosed_with_the_world_size_factor() -> None:
         dk.check_equivalence(build, _batch(), nn.MSELoss(reduction="sum"), world_size=2,
                              timeout=TIMEOUT)
     report = caught.value.report
-    assert not report.passed
+    assert not report.passed and report.parallel == "DDP" and report.world_size == 2
+    assert [p.name for p in report.parameters] == [n for n, _ in build().named_parameters()]
+    assert all(not p.passed for p in report.parameters)
     assert report.ratio == pytest.approx(0.5, rel=1e-4)    # DDP averaged per-shard sums
     assert "reduction='sum'" in report.diagnosis
     assert "\n" not in str(caught.value.args[0])            # one-line message

@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from devicekit.errors import GradientMismatchError, InvalidValueError
+from devicekit.parallel.ddp import is_distributed, rank_device
 
 __all__ = ["check_equivalence", "EquivalenceReport", "ParameterDiff"]
 
@@ -114,14 +116,22 @@ def _shard(obj: Any, parts: int, index: int) -> Any:
     return obj
 
 
-def _to_cpu(obj: Any) -> Any:
+def _moved(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor (in lists, tuples, dicts) on ``device``."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to(device)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(item) for item in obj)
+        return type(obj)(_moved(item, device) for item in obj)
     if isinstance(obj, dict):
-        return {key: _to_cpu(value) for key, value in obj.items()}
+        return {key: _moved(value, device) for key, value in obj.items()}
     return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item)]
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
@@ -150,15 +160,14 @@ def _step(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., to
 
 def _ddp_rank_step(model_fn: Callable[[], nn.Module], state: Mapping[str, torch.Tensor],
                    batch: tuple[Any, Any], loss_fn: Callable[..., torch.Tensor], seed: int) -> Grads:
-    """One rank's DDP step on its contiguous shard (runs inside a gloo rank)."""
-    import torch.distributed as dist
-
+    """One rank's DDP step on its contiguous shard (inside a gloo rank or the user's job)."""
     from devicekit.parallel.ddp import ddp, unwrap_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = ddp(_fresh_model(model_fn, state))
-    inputs, targets = (_shard(part, world, rank) for part in batch)
+    device = next(unwrap_model(model).parameters()).device
+    inputs, targets = (_moved(_shard(part, world, rank), device) for part in batch)
     _step(model, inputs, targets, loss_fn)
     return _grads(unwrap_model(model))
 
@@ -168,11 +177,16 @@ def _run_parallel(parallel: str | Callable[..., Any], model_fn: Callable[[], nn.
                   loss_fn: Callable[..., torch.Tensor], world_size: int, seed: int,
                   timeout: float) -> tuple[Grads, int, str]:
     """The parallel gradients, the number of shards they were computed from, and a label."""
+    if parallel == "ddp" and is_distributed():
+        # called inside a running job (devicekit run, torchrun, dk.launch): use its ranks
+        grads = _ddp_rank_step(model_fn, state, batch, loss_fn, seed)
+        return grads, dist.get_world_size(), "DDP"
     if parallel == "ddp":
         from devicekit.parallel.gloo_ranks import run_gloo_ranks
 
+        cpu = torch.device("cpu")
         cpu_state = {k: v.detach().cpu() for k, v in state.items()}
-        cpu_batch = tuple(_to_cpu(part) for part in batch)  # the ranks are CPU gloo processes
+        cpu_batch = tuple(_moved(part, cpu) for part in batch)  # the ranks are CPU gloo processes
         per_rank = run_gloo_ranks(_ddp_rank_step, model_fn, cpu_state, cpu_batch, loss_fn,
                                   seed, world_size=world_size, timeout=timeout)
         for rank, grads in enumerate(per_rank[1:], start=1):
@@ -262,7 +276,7 @@ def _diagnose(par: Grads, ref: Grads, shards: list[Grads], world: int, model: nn
 
 def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
                       loss_fn: Callable[..., torch.Tensor], *,
-                      parallel: str | Callable[..., Any] = "ddp", world_size: int = 2,
+                      parallel: str | Callable[..., Any] = "ddp", world_size: int | None = None,
                       rtol: float = 1e-4, atol: float = 1e-6, raise_on_mismatch: bool = True,
                       timeout: float = 60.0, seed: int = 0) -> EquivalenceReport:
     """Run one step of ``parallel`` and one single-process step; compare every gradient.
@@ -270,15 +284,29 @@ def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
     ``model_fn()`` builds the model (on the CPU for ``"ddp"``, whose ranks are gloo CPU
     processes); the reference's initial weights are copied into every other copy, so
     ``model_fn`` need not be seeded. ``batch`` is ``(inputs, targets)``; with ``"ddp"`` its size
-    must divide by ``world_size`` and rank ``r`` gets the ``r``-th contiguous shard. For
+    must divide by ``world_size`` (default 2) and rank ``r`` gets the ``r``-th contiguous shard. For
     ``"ddp"``, ``model_fn`` and ``loss_fn`` must be picklable (module-level functions,
     ``nn.Module`` losses). ``timeout`` bounds the whole multi-process step.
+
+    Called inside a running distributed job (``devicekit run``, torchrun, ``dk.launch``: a
+    process group with several ranks), ``"ddp"`` uses that job's ranks and devices instead of
+    starting processes: call it on every rank; rank 0's weights and batch are broadcast, and
+    ``world_size`` must be None or the job's size.
 
     Returns an :class:`EquivalenceReport`. On a mismatch raises
     :class:`devicekit.GradientMismatchError` (carrying ``.report``) unless
     ``raise_on_mismatch=False``.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    in_job = parallel == "ddp" and is_distributed()
+    if in_job:
+        if world_size is not None and world_size != dist.get_world_size():
+            raise InvalidValueError(
+                f"world_size={world_size} but this job has {dist.get_world_size()} ranks; leave "
+                f"world_size=None inside a distributed job")
+        world_size = dist.get_world_size()
+    elif world_size is None:
+        world_size = 2
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidValueError(f"world_size={world_size!r} must be a positive integer")
     inputs, targets = _split_batch(batch)
     first = _first_tensor(inputs)
@@ -294,6 +322,13 @@ def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
     reference = model_fn()
     if not isinstance(reference, nn.Module):
         raise InvalidValueError(f"model_fn must return an nn.Module, got {type(reference).__name__}")
+    if in_job:  # every rank computes the reference too, on its own device, from rank 0's data
+        device = rank_device()
+        reference.to(device)
+        inputs, targets = _moved(inputs, device), _moved(targets, device)
+        with torch.no_grad():
+            for tensor in [*reference.state_dict().values(), *_tensors((inputs, targets))]:
+                dist.broadcast(tensor, src=0)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
     parallel_grads, shard_count, label = _run_parallel(
