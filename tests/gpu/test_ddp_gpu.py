@@ -31,18 +31,20 @@ def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen)
 
 
-def _reference(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list]:
+def _reference(net: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               reduction: str) -> tuple[torch.Tensor, list]:
     ref = copy.deepcopy(net).cuda(0)
-    loss = nn.functional.cross_entropy(ref(x.cuda(0)), y.cuda(0))
+    loss = nn.functional.cross_entropy(ref(x.cuda(0)), y.cuda(0), reduction=reduction)
     loss.backward()
     return loss.detach(), [p.grad for p in ref.parameters()]
 
 
-def _check_against_reference(device_ids: list[int], n: int) -> None:
+def _check_against_reference(device_ids: list[int], n: int, reduction: str = "mean") -> None:
     x, y = _batch(n)
     net = _net()
-    want_loss, want_grads = _reference(net, x, y)
-    model = dk.BalancedDataParallel(net, nn.CrossEntropyLoss(), device_ids=device_ids)
+    want_loss, want_grads = _reference(net, x, y, reduction)
+    model = dk.BalancedDataParallel(net, nn.CrossEntropyLoss(reduction=reduction),
+                                    device_ids=device_ids)
     loss = model(x, y)          # CPU batch: scattered onto the devices like DataParallel does
     loss.backward()
     assert loss.device == torch.device("cuda", device_ids[0])
@@ -64,8 +66,9 @@ def test_balanced_dp_defaults_to_every_visible_gpu() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_balanced_dp_two_devices_uneven_chunks_match() -> None:
-    _check_against_reference([0, 1], 13)     # chunks of 7 and 6: weighted mean still exact
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_balanced_dp_two_devices_uneven_chunks_match(reduction: str) -> None:
+    _check_against_reference([0, 1], 13, reduction)   # chunks of 7 and 6: still exact
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit.parallel.balanced_dp import _ModelWithLoss, weighted_mean
+from devicekit.parallel.balanced_dp import _ModelWithLoss, combine_losses
 
 
 def _net() -> nn.Module:
@@ -46,19 +46,22 @@ def test_return_outputs_gives_the_outputs_per_device() -> None:
     torch.testing.assert_close(loss, nn.functional.cross_entropy(net(x), y))
 
 
-def test_chunk_losses_reduce_to_the_full_batch_loss_and_gradients() -> None:
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunk_losses_reduce_to_the_full_batch_loss_and_gradients(reduction: str) -> None:
     """The reduction used across GPUs, exercised on CPU chunks of unequal size (4, 3, 3)."""
     x, y = _batch(10)
     net = _net()
-    pair = _ModelWithLoss(net, nn.CrossEntropyLoss(), dim=0)
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    assert dk.BalancedDataParallel(net, loss_fn).reduction == reduction   # "auto" read it
+    pair = _ModelWithLoss(net, loss_fn, dim=0)
     chunks = [pair(xc, yc) for xc, yc in zip(x.tensor_split(3), y.tensor_split(3), strict=True)]
     assert [size for _, size, _ in chunks] == [4, 3, 3]
-    loss = weighted_mean([c[0] for c in chunks], [c[1] for c in chunks])
+    loss = combine_losses([c[0] for c in chunks], [c[1] for c in chunks], reduction)
     loss.backward()
     grads = [p.grad.clone() for p in net.parameters()]
 
     net.zero_grad()
-    full = nn.functional.cross_entropy(net(x), y)
+    full = loss_fn(net(x), y)
     full.backward()
     torch.testing.assert_close(loss, full)
     for got, want in zip(grads, [p.grad for p in net.parameters()], strict=True):
@@ -88,6 +91,11 @@ def test_non_cuda_device_ids_are_rejected(bad: list[str]) -> None:
 def test_cuda_index_that_does_not_exist_is_named() -> None:
     with pytest.raises(dk.InvalidDeviceError, match="cuda:7"):
         dk.BalancedDataParallel(_net(), nn.MSELoss(), device_ids=["cuda:7"])
+
+
+def test_bad_reduction_is_named() -> None:
+    with pytest.raises(dk.InvalidValueError, match="'max'"):
+        dk.BalancedDataParallel(_net(), nn.MSELoss(), reduction="max")
 
 
 def test_bad_model_and_loss_are_named() -> None:

@@ -5,8 +5,8 @@ there, so device 0 holds all the logits and all the loss activations: it runs ou
 first and sets the pace (the seeds: "compute the loss during the forward pass ... a parallel
 loss function layer"). ``BalancedDataParallel`` replicates the model **together with the loss
 function**, so each GPU computes the loss on its own chunk and only one scalar per GPU is
-gathered. The result is the batch-size-weighted mean of the chunk losses, which equals the
-single-device loss for a mean-reduced loss (and its gradients match).
+gathered. The result is the batch-size-weighted mean of the chunk losses (their sum for a
+``reduction='sum'`` loss), which equals the single-device loss, and its gradients match.
 
 Usage::
 
@@ -39,7 +39,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from devicekit.errors import InvalidDeviceError, InvalidValueError
 
-__all__ = ["BalancedDataParallel", "weighted_mean"]
+__all__ = ["BalancedDataParallel", "combine_losses", "weighted_mean"]
 
 
 class _ModelWithLoss(nn.Module):
@@ -92,6 +92,15 @@ def weighted_mean(losses: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch
     return (torch.stack([loss.reshape(()) for loss in losses]) * weights).sum()
 
 
+def combine_losses(losses: Sequence[torch.Tensor], sizes: Sequence[int],
+                   reduction: str) -> torch.Tensor:
+    """The single-device loss from per-chunk losses: their sum for ``"sum"``, otherwise
+    :func:`weighted_mean`."""
+    if reduction == "sum":
+        return torch.stack([loss.reshape(()) for loss in losses]).sum()
+    return weighted_mean(losses, sizes)
+
+
 def _device_index(device: Any) -> int:
     """A CUDA device index from an int, 'cuda:1' or torch.device; a one-line error otherwise."""
     try:
@@ -121,21 +130,28 @@ class BalancedDataParallel(nn.Module):
     ``device_ids[0]`` here, as DataParallel requires. Keyword arguments of ``forward`` other
     than ``return_outputs`` are scattered and passed to the model.
 
-    The loss is the batch-size-weighted mean of the per-GPU losses, so it equals the
-    single-device loss when ``loss_fn`` averages over the batch (``reduction='mean'``, no class
-    weights). With ``reduction='sum'`` use ``loss * batch_size`` semantics accordingly, or
-    better: keep losses mean-reduced.
+    ``reduction`` says how the per-GPU losses combine so that the result equals the
+    single-device loss: ``"mean"``, the batch-size-weighted mean (for losses that average over
+    the batch, no class weights); ``"sum"``, their sum (for ``reduction='sum'`` losses);
+    ``"auto"`` (default) reads ``loss_fn.reduction`` (torch's loss modules have it) and
+    otherwise assumes ``"mean"``.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  device_ids: Sequence[int | str | torch.device] | None = None,
-                 output_device: int | str | torch.device | None = None, dim: int = 0) -> None:
+                 output_device: int | str | torch.device | None = None, dim: int = 0,
+                 reduction: str = "auto") -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise InvalidValueError(
                 f"BalancedDataParallel needs an nn.Module model, got {type(model).__name__}")
         if not callable(loss_fn):
             raise InvalidValueError(f"loss_fn={loss_fn!r} is not callable; pass e.g. nn.CrossEntropyLoss()")
+        if reduction not in ("auto", "mean", "sum"):
+            raise InvalidValueError(f"reduction={reduction!r} must be 'auto', 'mean' or 'sum'")
+        if reduction == "auto":
+            reduction = "sum" if getattr(loss_fn, "reduction", None) == "sum" else "mean"
+        self.reduction = reduction
         if device_ids is None:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             self.device_ids: list[int] = list(range(count))
@@ -181,10 +197,11 @@ class BalancedDataParallel(nn.Module):
         sizes = [size for _, size, _ in results]
         # Gather keeps autograd: backward sends each scalar's gradient to its own device.
         gathered = gather(losses, self.output_device, dim=0)
-        loss = weighted_mean(list(gathered.unbind(0)), sizes)
+        loss = combine_losses(list(gathered.unbind(0)), sizes, self.reduction)
         if return_outputs:
             return loss, [outputs for _, _, outputs in results]
         return loss
 
     def extra_repr(self) -> str:
-        return f"device_ids={self.device_ids}, output_device={self.output_device}, dim={self.dim}"
+        return (f"device_ids={self.device_ids}, output_device={self.output_device}, dim={self.dim}, "
+                f"reduction={self.reduction!r}")
