@@ -128,3 +128,25 @@ def test_check_equivalence_inside_a_running_job_uses_its_ranks(
         passed, ratio, diagnosis = r["equivalence"]["summed"]
         assert not passed and ratio == pytest.approx(0.5, rel=1e-4)
         assert diagnosis.startswith("sum vs mean reduction")
+
+
+@pytest.mark.parametrize(("backend", "local_rank", "count", "current", "want"), [
+    ("nccl", "2", 4, 0, "cuda:2"),      # torchrun, every GPU visible, set_device forgotten
+    ("nccl", "2", 4, 3, "cuda:3"),      # set_device(3) was called: respected
+    ("nccl", "1", 1, 0, "cuda:0"),      # dk.launch / Slurm binding: the rank sees only its GPU
+    ("gloo", "1", 4, 0, "cpu"),         # devicekit uses gloo only for CPU ranks
+])
+def test_rank_device_follows_the_process_group(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                               local_rank: str, count: int, current: int,
+                                               want: str) -> None:
+    import torch.distributed as dist
+
+    from devicekit.parallel.ddp import rank_device
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert rank_device() == torch.device(want)

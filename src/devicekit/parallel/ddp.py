@@ -27,6 +27,7 @@ runs as a plain single-process job.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,13 +63,22 @@ def rank_device() -> torch.device:
     """The device this process trains on.
 
     With an NCCL process group (``dk.dist.init`` / ``dk.launch`` on GPUs): the current CUDA
-    device, which ``init`` set from the rank's leased GPU. With a gloo-only group: the CPU
+    device, which ``init`` set from the rank's leased GPU; if it was never set (still
+    ``cuda:0``) while torchrun's ``LOCAL_RANK`` names another visible GPU, that GPU. With a
+    gloo-only group: the CPU
     (devicekit uses gloo only where there is no GPU; pass ``device=`` to ``ddp`` to override).
     Without a process group: the current CUDA device, else MPS, else the CPU.
     """
     if dist.is_available() and dist.is_initialized():
         if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+            current = torch.cuda.current_device()
+            local_rank = os.environ.get("LOCAL_RANK", "")
+            if (current == 0 and local_rank.isdigit()
+                    and 0 < int(local_rank) < torch.cuda.device_count()):
+                # torchrun with every GPU visible and no torch.cuda.set_device(local_rank) yet:
+                # staying on cuda:0 would put every rank on the same GPU
+                return torch.device("cuda", int(local_rank))
+            return torch.device("cuda", current)
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
