@@ -122,3 +122,11 @@ def test_ddp_device_ids_name_each_rank_gpu(tmp_path) -> None:
         for r in results:
             assert r["extra"] == {"step": 1}
             assert r["loaded_device"] == f"cuda:{r['index']}"
+
+
+def test_check_equivalence_balanced_on_gpus() -> None:
+    x, y = _batch(12)
+    report = dk.check_equivalence(_net, (x, y), nn.CrossEntropyLoss(), parallel="balanced",
+                                  rtol=1e-3, atol=1e-5)
+    assert report.passed, str(report)
+    assert report.world_size == torch.cuda.device_count()

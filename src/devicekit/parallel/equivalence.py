@@ -363,8 +363,9 @@ def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
         valid = {n: g.to(ref_grads[n].dtype) for n, g in parallel_grads.items()
                  if n in ref_grads and g.shape == ref_grads[n].shape}
         shards = []
+        where = next((t.device for t in reference.parameters()), torch.device("cpu"))
         for index in range(shard_count if shard_count > 1 else 0):
-            shard_model = _fresh_model(model_fn, state)
+            shard_model = _fresh_model(model_fn, state).to(where)  # beside the reference
             torch.manual_seed(seed)
             _step(shard_model, _shard(inputs, shard_count, index), _shard(targets, shard_count, index),
                   loss_fn)
