@@ -57,7 +57,7 @@ SAVE_LOOP = textwrap.dedent(
     step = 0
     while True:
         step += 1
-        dk.save_checkpoint({"step": step, "weights": torch.full((500_000,), float(step))}, path)
+        dk.save_checkpoint({"step": step, "weights": torch.full((200_000,), float(step))}, path)
     """
 )
 
@@ -116,7 +116,7 @@ def test_kill_during_a_loop_of_saves_never_leaves_a_torn_file(
     try:
         wait_for(path.exists, child)
         deadline = time.monotonic() + 20
-        while len(set(seen)) < 4 and time.monotonic() < deadline:  # read while it writes
+        while len(set(seen)) < 3 and time.monotonic() < deadline:  # read while it writes
             state = dk.load_checkpoint(path)
             assert torch.all(state["weights"] == float(state["step"]))
             seen.append(state["step"])

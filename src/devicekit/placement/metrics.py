@@ -66,6 +66,11 @@ class RunningMean:
             raise InvalidValueError(f"sample count n={n!r} must be a non-negative number")
         if isinstance(value, torch.Tensor):
             value = value.detach()
+            if self._tensor_sum is not None and value.device != self._tensor_sum.device:
+                raise InvalidValueError(
+                    f"value on {value.device} but this RunningMean accumulates on "
+                    f"{self._tensor_sum.device}; move it first or use one RunningMean per device"
+                )
             if value.numel() != 1:
                 n, added = value.numel(), value.sum(dtype=_accumulation_dtype(value))
             else:
@@ -73,11 +78,6 @@ class RunningMean:
             if self._tensor_sum is None:
                 self._tensor_sum = added.clone()
             else:
-                if added.device != self._tensor_sum.device:
-                    raise InvalidValueError(
-                        f"value on {added.device} but this RunningMean accumulates on "
-                        f"{self._tensor_sum.device}; move it first or use one RunningMean per device"
-                    )
                 self._tensor_sum.add_(added.to(self._tensor_sum.dtype))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             self._number_sum += float(value) * n

@@ -41,6 +41,8 @@ class Prefetcher(Generic[T]):
         self.iterable = iterable
         self.device = as_device(device)
         self.pin_memory = pin_memory
+        #: The side stream of the iteration in progress (CUDA only; None before and on CPU).
+        self.stream: torch.cuda.Stream | None = None
 
     def __len__(self) -> int:
         if not isinstance(self.iterable, Sized):
@@ -56,7 +58,7 @@ class Prefetcher(Generic[T]):
 
     def _cuda_batches(self) -> Iterator[T]:
         device = self.device
-        side = torch.cuda.Stream(device=device)
+        side = self.stream = torch.cuda.Stream(device=device)
         source = iter(self.iterable)
 
         def issue_copy() -> Any:
