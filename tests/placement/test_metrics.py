@@ -21,7 +21,7 @@ def test_running_mean_matches_weighted_mean(values: list[tuple[float, int]]) -> 
     assert mean.count == sum(n for _, n in values)
 
 
-def test_running_mean_of_vectors_counts_elements_and_stays_on_device() -> None:
+def test_running_mean_of_vectors_counts_each_element() -> None:
     mean = dk.RunningMean()
     mean.update(torch.tensor([1.0, 2.0, 3.0]))
     mean.update(torch.tensor(10.0, dtype=torch.float16))
@@ -47,9 +47,8 @@ def test_running_mean_rejects_bad_input() -> None:
         mean.update("3")  # type: ignore[arg-type]
     with pytest.raises(dk.InvalidValueError, match="-1"):
         mean.update(1.0, n=-1)
-    mean.update(torch.ones(1))
-    with pytest.raises(dk.InvalidValueError, match="meta"):
-        mean.update(torch.ones(1, device="meta"))
+    with pytest.raises(dk.InvalidValueError, match="elements"):
+        dk.MetricLog().append(x=torch.ones(2, device="meta"))
 
 
 def test_metric_log_matches_plain_lists_across_growth() -> None:
@@ -92,3 +91,29 @@ def test_metric_log_errors_and_reset() -> None:
         log["missing"]
     log.reset()
     assert dict(log) == {} and log.means() == {}
+
+
+def test_device_history_chunks_keep_order_across_numbers_and_dtypes() -> None:
+    """The accelerator path of MetricLog (list of 0-d tensors stacked in chunks), driven with
+    CPU tensors since this machine has no accelerator."""
+    from devicekit.placement.metrics import _CHUNK, _History
+
+    history = _History()
+    expected: list[float] = [0.5, 1.5]
+    history.append_number(0.5)
+    history.append_number(1.5)  # numbers before the first device tensor move along with it
+    for i in range(2 * _CHUNK + 10):
+        value = float(i)
+        if i % 7 == 0:
+            history.append_number(value)
+        else:
+            dtype = torch.float16 if i % 5 == 0 else torch.float32
+            history.append_tensor(torch.tensor(value, dtype=dtype), "m")
+        expected.append(value)
+    assert history.size == len(expected)
+    assert len(history.chunks) == 2 and history.dtype == torch.float32
+    view = history.view()
+    assert view.dtype == torch.float32 and view.tolist() == expected
+    assert history.values() == expected  # reading twice gives the same
+    with pytest.raises(dk.InvalidValueError, match="'m' on meta"):
+        history.append_tensor(torch.tensor(1.0, device="meta"), "m")
