@@ -179,3 +179,11 @@ def test_modes_run_a_conv_and_deterministic_mode_repeats_it(cuda: torch.device) 
         again = conv(x)
         assert torch.equal(first, again)
     assert not torch.backends.cudnn.deterministic
+
+
+def test_running_mean_refuses_a_second_device(cuda: torch.device) -> None:
+    mean = dk.RunningMean()
+    mean.update(torch.ones((), device=cuda))
+    with pytest.raises(dk.InvalidValueError, match="meta"):
+        mean.update(torch.ones((), device="meta"))
+    assert mean.value == 1.0
