@@ -44,16 +44,18 @@ def count_tensors(obj: Any) -> int:
     return sum(1 for _ in iter_tensors(obj))
 
 
-def timed(fn: Callable[[], Any], repeat: int = 7, number: int = 50) -> float:
-    """Median seconds per call."""
-    fn()
-    runs = []
+def interleaved(fns: dict[str, Callable[[], Any]], repeat: int = 15, number: int = 40) -> dict[str, float]:
+    """Median seconds per call; contenders alternate so machine load hits them alike."""
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        runs.append((time.perf_counter() - start) / number)
-    return statistics.median(runs)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            runs[name].append((time.perf_counter() - start) / number)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def main() -> None:
@@ -68,7 +70,7 @@ def main() -> None:
         "accelerate.send_to_device": lambda: send_to_device(batch, device),
         "lightning.move_data_to_device": lambda: move_data_to_device(batch, device),
     }
-    times = {name: timed(fn) for name, fn in contenders.items()}
+    times = interleaved(contenders)
     ours = times["devicekit.to_device"]
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"device {device}, {n} tensors already on the target (pure overhead)")

@@ -172,7 +172,10 @@ def _mapping(walk: _Walk, obj: Mapping[Any, Any]) -> Any:
 def _namedtuple(walk: _Walk, obj: Any) -> Any:
     found = walk.memo.get(id(obj))
     if found is None:
-        found = type(obj)._make([walk(x) for x in obj])
+        device = walk.device
+        found = type(obj)._make(
+            [x if type(x) is Tensor and x.device == device else walk(x) for x in obj]
+        )
         walk.memo[id(obj)] = found
     return found
 
