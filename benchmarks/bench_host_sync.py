@@ -13,7 +13,6 @@ Run: python benchmarks/bench_host_sync.py
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from collections.abc import Callable
 
@@ -47,7 +46,7 @@ def norms_on_device(a: torch.Tensor, b: torch.Tensor) -> list[float]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repeat: int) -> dict[str, float]:
-    """Median seconds per run; the variants alternate so load changes hit both alike."""
+    """Best (minimum) seconds per run, the least disturbed by other load; variants alternate."""
     for fn in fns.values():
         fn()
     runs: dict[str, list[float]] = {name: [] for name in fns}
@@ -58,7 +57,7 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repe
             fn()
             sync(device)
             runs[name].append(time.perf_counter() - start)
-    return {name: statistics.median(r) for name, r in runs.items()}
+    return {name: min(r) for name, r in runs.items()}
 
 
 def exercise(device: torch.device) -> None:
@@ -70,7 +69,7 @@ def exercise(device: torch.device) -> None:
     times = interleaved({
         ".item() every step": lambda: norms_with_item(a, b),
         "dk.MetricLog (read once)": lambda: norms_on_device(a, b),
-    }, device, repeat=9)
+    }, device, repeat=15)
     base = times[".item() every step"]
     print(f"(a) {STEPS} matmuls {SIZE}x{SIZE} + Frobenius norm log, device {device}")
     print()
@@ -119,6 +118,8 @@ def prefetch(device: torch.device) -> None:
 
 def main() -> None:
     device = dk.try_gpu()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # steadier on a shared machine; both variants run alike
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     print(f"machine: {name}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print()

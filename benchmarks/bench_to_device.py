@@ -10,7 +10,6 @@ Run: python benchmarks/bench_to_device.py
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from collections import namedtuple
 from collections.abc import Callable
@@ -45,7 +44,7 @@ def count_tensors(obj: Any) -> int:
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeat: int = 15, number: int = 40) -> dict[str, float]:
-    """Median seconds per call; contenders alternate so machine load hits them alike."""
+    """Best (minimum) seconds per call, the least disturbed by other load; contenders alternate."""
     for fn in fns.values():
         fn()
     runs: dict[str, list[float]] = {name: [] for name in fns}
@@ -55,7 +54,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeat: int = 15, number: int
             for _ in range(number):
                 fn()
             runs[name].append((time.perf_counter() - start) / number)
-    return {name: statistics.median(r) for name, r in runs.items()}
+    return {name: min(r) for name, r in runs.items()}
 
 
 def main() -> None:

@@ -198,10 +198,19 @@ class MetricLog(Mapping[str, list[float]]):
         self._histories.clear()
 
     def append(self, **values: torch.Tensor | Number) -> None:
+        histories = self._histories
         for name, value in values.items():
-            history = self._histories.get(name)
+            history = histories.get(name)
             if history is None:
-                history = self._histories[name] = _History()
+                history = histories[name] = _History()
+            if type(value) is torch.Tensor and value.is_cpu and history.device is None:
+                try:  # fast path: a CPU value is read at once (no device queue to wait for)
+                    history.floats.append(value.item())
+                except RuntimeError:
+                    pass  # not one element: the general path below says so
+                else:
+                    history.size += 1
+                    continue
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise InvalidValueError(

@@ -141,7 +141,12 @@ class MixedPrecision:
         self.device = device
         self.dtype = dtype
         self.uses_scaler = use_scaler
-        self.scaler: torch.amp.GradScaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        try:
+            self.scaler: torch.amp.GradScaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        except (RuntimeError, ValueError, AssertionError) as err:
+            raise InvalidValueError(
+                f"torch has no GradScaler for {device.type!r} ({err}); pass dtype=torch.bfloat16"
+            ) from None
         self._active: list[AbstractContextManager[Any]] = []
 
     def autocast(self, enabled: bool = True) -> torch.autocast:
