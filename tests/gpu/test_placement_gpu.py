@@ -15,8 +15,14 @@ LONG_SLEEP = int(2e9)  # GPU clock cycles of torch.cuda._sleep: about a second o
 
 @pytest.fixture
 def cuda() -> torch.device:
+    device = torch.device("cuda", torch.cuda.current_device())
+    # Fill the caching allocator first, so that no cudaMalloc (which may synchronise) runs
+    # while a test keeps the GPU busy on purpose.
+    warm = [torch.empty(1 << 22, device=device) for _ in range(8)]
+    warm += [torch.empty(1, device=device) for _ in range(64)]
+    del warm
     torch.cuda.synchronize()
-    return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def test_pinned_copy_is_asynchronous_and_correct(cuda: torch.device) -> None:

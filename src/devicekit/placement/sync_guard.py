@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -42,7 +43,15 @@ __all__ = ["sync_guard", "SyncReport", "HostSync", "SYNC_MESSAGE"]
 #: What torch's sync debug mode says (c10/cuda/CUDAFunctions.cpp).
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 _MODES = ("warn", "error")
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(warnings.__file__), os.path.dirname(__file__))
+# Frames to look through when naming the line that synced: torch's own Python code, the
+# warnings machinery, and devicekit.placement (a sync inside e.g. RunningMean.value is the
+# caller's read).
+_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_SKIP_FILES = frozenset({warnings.__file__, contextlib.__file__})
+
+
+def _skipped(filename: str) -> bool:
+    return filename in _SKIP_FILES or filename.startswith(_SKIP_DIRS)
 
 
 @dataclass
@@ -94,7 +103,7 @@ class SyncReport:
 def _caller_frame() -> FrameType | None:
     """The innermost frame outside torch, the warnings machinery and this module."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _skipped(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
@@ -125,7 +134,7 @@ def _collect(report: SyncReport) -> Iterator[None]:
                 tb = err.__traceback__
                 place = None
                 while tb is not None:
-                    if not tb.tb_frame.f_code.co_filename.startswith(_SKIP_DIRS):
+                    if not _skipped(tb.tb_frame.f_code.co_filename):
                         place = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
                     tb = tb.tb_next
                 if place is not None:
