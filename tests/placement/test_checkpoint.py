@@ -262,3 +262,21 @@ def test_real_single_process_group(tmp_path: Path) -> None:
         assert torch.equal(dk.load_checkpoint(path)["v"], torch.ones(2))
     finally:
         dist.destroy_process_group()
+
+
+def test_unreadable_file_is_not_called_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "locked.pt"
+    dk.save_checkpoint({"v": 1}, path)
+
+    def denied(*args: Any, **kwargs: Any) -> Any:  # what a file without read permission gives
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(torch, "load", denied)
+    with pytest.raises(dk.CheckpointError, match="Permission denied") as info:
+        dk.load_checkpoint(path)
+    assert "corrupt" not in str(info.value)
+
+
+def test_non_path_is_refused() -> None:
+    with pytest.raises(dk.CheckpointError, match="BytesIO"):
+        dk.save_checkpoint({"v": 1}, __import__("io").BytesIO())  # type: ignore[arg-type]

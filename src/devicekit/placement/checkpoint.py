@@ -111,6 +111,10 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     In a distributed run only rank 0 writes; all ranks then meet at a barrier (also when rank 0
     failed, which then raises on rank 0 only).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(
+            f"checkpoint path {path!r} is a {type(path).__name__}, not a path; pass a str or Path"
+        )
     target = Path(path)
     distributed, rank = _distributed()
     if not distributed:
@@ -194,7 +198,11 @@ def load_checkpoint(
             f"cannot read checkpoint {str(source)!r}: not a torch checkpoint; "
             "the file is truncated or corrupt"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
+    except OSError as err:  # permissions, I/O errors: the file may be fine
+        raise CheckpointError(
+            f"cannot read checkpoint {str(source)!r}: {err.strerror or _first_line(err)}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
         text = _first_line(err)
         if "cuda" in text.lower() and "deserialize" in text.lower():
             raise CheckpointError(

@@ -36,6 +36,7 @@ _NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
 class BackendFlags:
     """A snapshot of every switch the modes touch."""
 
+    cudnn_enabled: bool
     cudnn_benchmark: bool
     cudnn_deterministic: bool
     deterministic_algorithms: bool
@@ -46,6 +47,7 @@ class BackendFlags:
     @classmethod
     def capture(cls) -> BackendFlags:
         return cls(
+            cudnn_enabled=bool(torch.backends.cudnn.enabled),
             cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
             cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
             deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
@@ -55,6 +57,7 @@ class BackendFlags:
         )
 
     def apply(self) -> None:
+        torch.backends.cudnn.enabled = self.cudnn_enabled
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.use_deterministic_algorithms(
@@ -127,9 +130,10 @@ class ModeHandle:
 
 
 def performance_mode() -> ModeHandle:
-    """cudnn.benchmark on, TF32 on, deterministic algorithms off."""
+    """cuDNN on with benchmark mode, TF32 on, deterministic algorithms off."""
     previous = BackendFlags.capture()
     wanted = BackendFlags(
+        cudnn_enabled=True,
         cudnn_benchmark=True,
         cudnn_deterministic=False,
         deterministic_algorithms=False,
@@ -157,6 +161,7 @@ def deterministic_mode(warn_only: bool = False) -> ModeHandle:
             "at the first CUDA matmul, so setting it here only helps before that"
         )
     wanted = BackendFlags(
+        cudnn_enabled=previous.cudnn_enabled,
         cudnn_benchmark=False,
         cudnn_deterministic=True,
         deterministic_algorithms=True,
