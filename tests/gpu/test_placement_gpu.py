@@ -64,12 +64,15 @@ def make_batches(n: int, numel: int) -> list[dict[str, torch.Tensor]]:
 
 def test_prefetcher_stays_correct_under_load(cuda: torch.device) -> None:
     batches = make_batches(12, 1 << 22)  # 16 MiB each
-    sums = []
-    for batch in dk.Prefetcher(batches, cuda):
+    checks, indices = [], []
+    for i, batch in enumerate(dk.Prefetcher(batches, cuda)):
+        assert batch["x"].device == cuda
         torch.cuda._sleep(int(1e6))  # compute keeps the stream busy while copies run
-        sums.append(batch["x"].sum() / batch["x"].numel())  # read right away: must see full data
+        checks.append((batch["x"] == float(i)).all())  # read right away: must see the full copy
+        indices.append(batch["i"])
     torch.cuda.synchronize()
-    assert [s.item() for s in sums] == [float(i) for i in range(12)]
+    assert all(c.item() for c in checks)
+    assert [t.item() for t in indices] == list(range(12))
 
 
 def test_prefetcher_copies_overlap_compute(cuda: torch.device) -> None:
