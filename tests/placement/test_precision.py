@@ -115,3 +115,11 @@ def test_mixed_precision_bad_input() -> None:
         dk.mixed_precision("cpu", dtype=torch.float32)
     with pytest.raises(dk.InvalidDeviceError, match="gpu"):
         dk.mixed_precision("gpu")
+
+
+def test_shared_norm_layer_gets_one_set_of_hooks() -> None:
+    norm = nn.LayerNorm(4)
+    model = nn.Sequential(nn.Linear(4, 4), norm, nn.Linear(4, 4), norm)
+    dk.half(model, dtype=torch.bfloat16)
+    assert len(norm._forward_pre_hooks) == 1 and len(norm._forward_hooks) == 1
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16

@@ -116,8 +116,12 @@ def half(
         return _cast_floating(args, dtype)
 
     stack: list[nn.Module] = [model]
+    seen: set[int] = set()
     while stack:
         module = stack.pop()
+        if id(module) in seen:  # a submodule shared by two parents is converted once
+            continue
+        seen.add(id(module))
         if _kept(module, keep):
             module.float()
             handles.append(module.register_forward_pre_hook(to_fp32))
