@@ -202,3 +202,14 @@ def test_device_of_without_tensors_is_an_error() -> None:
         dk.device_of(nn.ReLU())
     with pytest.raises(dk.PlacementError, match="no tensors"):
         dk.device_of({"a": 1})
+
+
+def test_packed_sequence_and_counter() -> None:
+    from collections import Counter
+
+    from torch.nn.utils.rnn import pack_sequence
+
+    packed = pack_sequence([torch.ones(3), torch.ones(2)])
+    out = dk.to_device({"seq": packed, "counts": Counter(a=2)}, "meta")
+    assert type(out["seq"]) is type(packed) and out["seq"].data.device.type == "meta"
+    assert type(out["counts"]) is Counter and out["counts"]["a"] == 2
