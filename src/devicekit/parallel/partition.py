@@ -84,6 +84,11 @@ class Plan:
         return max_over_mean([p.memory for p in self.parts])
 
     @property
+    def device_map(self) -> dict[str, str]:
+        """Layer name -> device, as accelerate's ``device_map``."""
+        return {name: str(p.device) for p in self.parts for name in p.layer_names}
+
+    @property
     def total_memory(self) -> int:
         return sum(p.memory for p in self.parts)
 

@@ -116,8 +116,7 @@ def plan_from_counts(
         chunk = costs[start:start + count]
         seconds = [c.seconds for c in chunk]
         memory = sum(c.memory(training=training, optimizer=optimizer) for c in chunk)
-        if not training and chunk:
-            memory += max(c.transient_bytes for c in chunk)
+        memory += max((c.transient_bytes for c in chunk), default=0)  # peak working set
         parts.append(Part(
             index=len(parts), device=device, start=start, stop=start + count,
             layer_names=tuple(name for name, _ in layers[start:start + count]),
@@ -127,7 +126,8 @@ def plan_from_counts(
         ))
         start += count
     if training:
-        what = f"training with {optimizer:g} optimizer-state copies: weights + grads + state + saved activations"
+        what = (f"training, optimizer state = {optimizer:g}x weights: weights + grads + state + saved "
+                "activations + the largest layer's input and output")
     else:
         what = "inference: weights + buffers + the largest layer's input and output"
     return Plan(parts=parts, basis=basis, memory_basis=what, reasons=list(reasons or []))
