@@ -96,10 +96,11 @@ class Pipeline(nn.Module):
             raise InvalidValueError(f"chunks {chunks!r} must be a positive int (micro-batches per batch)")
         if checkpoint not in CHECKPOINT_MODES:
             raise InvalidValueError(f"checkpoint {checkpoint!r} is unknown; use one of {', '.join(CHECKPOINT_MODES)}")
+        if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
+            model = DeferredBatchNorm.convert(model)
         layers, plan = resolve(model, devices, balance, sample, optimizer)
+        DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
         parts = make_parts(layers, plan)
-        if deferred_batch_norm and chunks > 1:
-            parts = [DeferredBatchNorm.convert(part) for part in parts]  # type: ignore[misc]
         self.module = model
         self._parts = parts
         self.plan = plan

@@ -110,6 +110,8 @@ def pipeline_stage(
         )
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise DistributedError(f"chunks {chunks!r} must be a positive int (micro-batches per step)")
+    if chunks > 1:  # running statistics once per mini-batch; in the model, so eval() reaches them
+        model = DeferredBatchNorm.convert(model)
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     local = parse_device(device)
@@ -124,9 +126,8 @@ def pipeline_stage(
     own = Plan(parts=list(plan.parts), basis=plan.basis, memory_basis=plan.memory_basis,
                reasons=plan.reasons + [f"rank {rank} of {world} runs part {rank}"])
     part_plan = Plan(parts=[plan.parts[rank]], basis=plan.basis)
+    DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
     part = make_parts(layers, part_plan)[0]
-    if chunks > 1:
-        part = DeferredBatchNorm.convert(part)  # type: ignore[assignment]
     stage = PipelineStage(part, rank, world, local, group=group)
     schedule = ScheduleGPipe(stage, chunks, loss_fn=loss_fn, scale_grads=scale_grads)
     return DistributedStage(part=part, plan=own, index=rank, stage=stage, schedule=schedule)
