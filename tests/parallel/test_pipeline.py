@@ -120,6 +120,13 @@ def test_stages_run_in_their_own_threads_and_errors_come_back() -> None:
     assert threading.active_count() == before
 
 
+def test_autocast_reaches_the_stage_threads() -> None:
+    pipe = dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], chunks=2, checkpoint="never")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pipe(sample_for("mlp")).dtype == torch.bfloat16
+    assert pipe(sample_for("mlp")).dtype == torch.float32
+
+
 def test_tuple_inputs_and_small_batches() -> None:
     class Add(nn.Module):
         def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

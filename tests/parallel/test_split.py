@@ -78,6 +78,12 @@ def test_plan_is_a_readable_table() -> None:
     assert set(plan.device_map) == {str(i) for i in range(9)}
 
 
+def test_a_meta_sample_sizes_a_real_model() -> None:
+    real = dk.split(MODELS["mlp"](), ["cpu", "cpu"], sample=torch.randn(64, 16)).plan
+    meta = dk.split(MODELS["mlp"](), ["cpu", "cpu"], sample=torch.empty(64, 16, device="meta")).plan
+    assert [p.memory for p in meta.parts] == [p.memory for p in real.parts]
+
+
 def test_nested_sequentials_are_flattened() -> None:
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 2)))
     split = dk.split(model, ["cpu", "cpu"])

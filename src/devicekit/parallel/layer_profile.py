@@ -21,6 +21,7 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -225,8 +226,12 @@ def profile_layers(
             )
             if x is not None:
                 device = _layer_device(layer)
+                sample_on_meta = any(t.device.type == "meta" for t in _tensors(x))
                 if device is None:
-                    device = torch.device("meta") if on_meta else None
+                    device = torch.device("meta") if on_meta or sample_on_meta else None
+                elif sample_on_meta and device.type != "meta":
+                    layer = copy.deepcopy(layer).to("meta")  # a shape-only sample: size a meta copy
+                    device = torch.device("meta")
                 x = _prepare_input(x, device)
                 try:
                     out, saved = _saved_bytes(layer, x)

@@ -2,7 +2,7 @@
 
 Each stage gets its own worker thread (also when two stages share a device: ``["cpu", "cpu"]``
 overlaps on two cores). A task is a callable; the worker runs it with the caller's grad mode
-(a thread-local setting in torch), on the stage's CUDA device where it has one, and records its
+and autocast state (thread-local settings in torch), on the stage's CUDA device where it has one, and records its
 busy time so the schedule's idle fraction can be measured. Errors come back to the caller with
 their traceback. Workers live for one ``with`` block and are always joined.
 
@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from types import TracebackType
 from typing import Any
 
@@ -42,9 +43,13 @@ class StageWorkers:
         self._out: list[queue.Queue[Any]] = [queue.Queue() for _ in self.devices]
         self._threads: list[threading.Thread] = []
         self._grad = torch.is_grad_enabled()
+        self._autocast: list[tuple[str, torch.dtype]] = []
 
     def __enter__(self) -> StageWorkers:
         self._grad = torch.is_grad_enabled()
+        self._autocast = [(kind, torch.get_autocast_dtype(kind))
+                          for kind in sorted({d.type for d in self.devices})
+                          if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)]
         for stage, device in enumerate(self.devices):
             thread = threading.Thread(target=self._run, args=(stage, device),
                                       name=f"devicekit-stage-{stage}", daemon=True)
@@ -70,7 +75,10 @@ class StageWorkers:
                 return
             start = time.perf_counter()
             try:
-                result = (True, task())
+                with ExitStack() as stack:
+                    for kind, dtype in self._autocast:
+                        stack.enter_context(torch.autocast(kind, dtype=dtype))
+                    result = (True, task())
             except BaseException as exc:  # handed to the caller, who re-raises it
                 result = (False, exc)
             self.busy_seconds[stage] += time.perf_counter() - start
