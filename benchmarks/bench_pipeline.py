@@ -184,7 +184,8 @@ def part2() -> None:
 
 if __name__ == "__main__":
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-          f"torch {torch.__version__}, CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+          f"torch {torch.__version__}, CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0}, "
+          f"load average {os.getloadavg()[0]:.1f} (other processes compete for the cores)")
     if not torch.cuda.is_available():
         print("(no CUDA GPU: the GPU pipeline comparison is skipped; run this on a multi-GPU machine for it)")
     part1()

@@ -99,6 +99,7 @@ def test_activations_and_training_are_counted() -> None:
 
 
 def test_default_budgets_come_from_the_inventory_with_headroom(simulate, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     simulate([h100(used="70GiB"), h100(used="2GiB"), h100(used="79GiB"), h100(used="10GiB")])
     plan = dk.plan_devices(billion_stack(), sample=META_SAMPLE)
     assert [str(d) for d in plan.devices] == ["cuda:1"]  # the freest GPU holds it
@@ -110,9 +111,13 @@ def test_default_budgets_come_from_the_inventory_with_headroom(simulate, monkeyp
     plan = dk.plan_devices(billion_stack(), sample=META_SAMPLE, headroom=0.2)
     assert [str(d) for d in plan.devices] == ["cuda:1"]
     assert plan.parts[0].budget == parse_size("70GiB") - parse_size("16GiB")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible: everything on the CPU
+    plan = dk.plan_devices(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), sample=torch.randn(4, 64))
+    assert [str(d) for d in plan.devices] == ["cpu"]
 
 
-def test_devices_filter_and_bad_budgets(simulate) -> None:
+def test_devices_filter_and_bad_budgets(simulate, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     simulate([h100(), h100(), h100()])
     plan = dk.plan_devices(billion_stack(), sample=META_SAMPLE, devices=[2])
     assert [str(d) for d in plan.devices] == ["cuda:2"]
