@@ -39,7 +39,7 @@ from devicekit.parallel.layer_profile import optimizer_factor, profile_layers, s
 from devicekit.parallel.schedule import bubble_fraction
 from devicekit.parallel.split import build_plan
 
-REPEAT = 7
+ROUNDS = 9
 
 
 def mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
@@ -50,15 +50,17 @@ def mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def best_of(fn, repeat: int = REPEAT) -> float:
-    """Fastest of ``repeat`` runs after a warm-up (the least disturbed by other processes)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def interleaved(methods: dict, rounds: int = ROUNDS) -> dict:
+    """Fastest run of each method; methods take turns, so load from other processes hits all alike."""
+    for fn in methods.values():
+        fn()  # warm up
+    best = {name: float("inf") for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 class PartClock:
@@ -95,29 +97,30 @@ def part1() -> None:
 
     pipes = {chunks: dk.Pipeline(mlp(), ["cpu", "cpu"], chunks=chunks, balance=[8, 8], checkpoint="never")
              for chunks in (1, 2, 4, 8)}
-    results = {}
+    idles: dict[int, list[float]] = {chunks: [] for chunks in pipes}
+
+    def run_pipe(chunks: int) -> None:
+        pipe = pipes[chunks]
+        pipe(batch)
+        assert pipe.last_run is not None
+        idles[chunks].append(pipe.last_run.idle_fraction)
+
+    methods = {0: run_naive, **{c: (lambda c=c: run_pipe(c)) for c in pipes}}
     with torch.no_grad():
-        base = best_of(run_naive)
-        for chunks, pipe in pipes.items():
-            idles: list[float] = []
-
-            def run(pipe: dk.Pipeline = pipe, idles: list[float] = idles) -> None:
-                pipe(batch)
-                assert pipe.last_run is not None
-                idles.append(pipe.last_run.idle_fraction)
-
-            results[chunks] = (best_of(run), statistics.median(idles))
+        best = interleaved(methods)
+    base = best[0]
     print(f"{'method':<24}{'samples/s':>12}{'ratio vs naive':>16}{'idle measured':>15}{'idle predicted':>16}")
     print(f"{'naive split (dk.split)':<24}{len(batch) / base:>12.0f}{1.0:>16.2f}"
           f"{statistics.median(idle_naive):>15.1%}{bubble_fraction(1, 2):>16.1%}")
-    for chunks, (seconds, idle) in results.items():
+    for chunks in pipes:
+        seconds = best[chunks]
         print(f"{f'Pipeline chunks={chunks}':<24}{len(batch) / seconds:>12.0f}{base / seconds:>16.2f}"
-              f"{idle:>15.1%}{bubble_fraction(chunks, 2):>16.1%}")
+              f"{statistics.median(idles[chunks]):>15.1%}{bubble_fraction(chunks, 2):>16.1%}")
     # one training step, for completeness (backward is serial on CPU, see the module doc)
-    train_naive = best_of(lambda: naive(batch).sum().backward())
-    train_pipe = best_of(lambda: pipes[4](batch).sum().backward())
-    print(f"training step (fwd+bwd): naive {train_naive * 1e3:.0f} ms, Pipeline chunks=4 "
-          f"{train_pipe * 1e3:.0f} ms, ratio {train_naive / train_pipe:.2f}")
+    train = interleaved({"naive": lambda: naive(batch).sum().backward(),
+                         "pipe": lambda: pipes[4](batch).sum().backward()})
+    print(f"training step (fwd+bwd): naive {train['naive'] * 1e3:.0f} ms, Pipeline chunks=4 "
+          f"{train['pipe'] * 1e3:.0f} ms, ratio {train['naive'] / train['pipe']:.2f}")
     torch.set_num_threads(os.cpu_count() or 1)
 
 

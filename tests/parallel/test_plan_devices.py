@@ -136,3 +136,8 @@ def test_plan_feeds_split() -> None:
     plan = dk.plan_devices(model, {"cpu": "1GiB"}, sample=torch.randn(4, 16))
     split = dk.split(model, plan)
     assert split.devices == [torch.device("cpu")] and split(torch.randn(2, 16)).shape == (2, 4)
+    gpu_plan = dk.plan_devices(model, {5: "1GiB"})
+    with pytest.raises(dk.InvalidDeviceError, match="'cuda:5' is not present"):
+        dk.split(model, gpu_plan)
+    with pytest.raises(dk.SplitError, match="plan covers 5 layers"):
+        dk.split(nn.Sequential(nn.Linear(16, 4)), plan)

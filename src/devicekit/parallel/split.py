@@ -189,6 +189,7 @@ def resolve(
         counts = devices.counts
         if sum(counts) != len(layers):
             raise SplitError(f"plan covers {sum(counts)} layers but the model has {len(layers)}; plan this model")
+        parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
         return layers, devices
     return layers, build_plan(layers, parse_devices(devices), balance=balance, sample=sample, optimizer=optimizer)
 
