@@ -19,6 +19,9 @@ mean part (1.00 is perfect). Compared: devicekit's ``balance="size"``, accelerat
 ``infer_auto_device_map`` (with ``get_balanced_memory``, and with equal budgets), and an equal
 layer count per part. torchgpipe (``balance_by_size``/``balance_by_time``) is not installed
 here, so it is not in the table.
+
+Part 3: the same for ``balance="time"`` on a small real model: per-layer forward+backward time,
+devicekit's cut against an equal layer count.
 """
 
 from __future__ import annotations
@@ -185,6 +188,30 @@ def part2() -> None:
     print("torchgpipe balance_by_size / balance_by_time: not available (not installed), not compared")
 
 
+def part3() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    encoder = [nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(6)]
+    model = nn.Sequential(nn.Embedding(8000, 256), *encoder, nn.Linear(256, 8000))
+    sample = torch.randint(0, 8000, (8, 64))
+    layers = sequential_layers(model)
+    times = [c.seconds or 0.0 for c in profile_layers(layers, sample, measure_time=True)]
+    print()
+    print("Part 3: balance by time (embedding 8000x256, 6 encoder layers, head 256x8000; real model, "
+          "batch 8 x 64 tokens), cost = measured forward+backward seconds per layer")
+    print(f"{'method':<44}{'parts':>6}  {'layers per part':<24}{'largest/mean':>13}{'ratio vs dk':>12}")
+    for parts in (2, 4):
+        ours = build_plan(layers, [torch.device("cpu")] * parts, balance="time", sample=sample).counts
+        equal = [len(layers) // parts + (i < len(layers) % parts) for i in range(parts)]
+        best = max_over_mean(part_costs(times, ours))
+        for name, counts in (("devicekit balance='time'", ours), ("equal layer count", equal)):
+            value = max_over_mean(part_costs(times, counts))
+            print(f"{name:<44}{parts:>6}  {str(counts):<24}{value:>13.2f}{value / best:>12.2f}")
+    print("(devicekit re-times the layers when it plans, so its own cut is scored on a second, noisy "
+          "measurement; accelerate has no time-based device map)")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
 if __name__ == "__main__":
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
           f"torch {torch.__version__}, CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0}, "
@@ -193,3 +220,4 @@ if __name__ == "__main__":
         print("(no CUDA GPU: the GPU pipeline comparison is skipped; run this on a multi-GPU machine for it)")
     part1()
     part2()
+    part3()
