@@ -61,6 +61,15 @@ def test_fewest_gpus_then_balanced_within_budgets() -> None:
     assert any("2 of 3 GPU(s) suffice" in r for r in plan.reasons)
 
 
+def test_spread_uses_every_gpu_for_a_pipeline() -> None:
+    budgets = {0: "40GiB", 2: "40GiB", 5: "40GiB", 6: "40GiB"}
+    assert len(dk.plan_devices(billion_stack(), budgets, sample=META_SAMPLE).parts) == 1
+    plan = dk.plan_devices(billion_stack(), budgets, sample=META_SAMPLE, spread=True)
+    assert [str(d) for d in plan.devices] == ["cuda:0", "cuda:2", "cuda:5", "cuda:6"]
+    assert plan.counts == [8, 8, 8, 8] and plan.max_over_mean < 1.01
+    within_budgets(plan)
+
+
 def test_non_contiguous_gpu_ids() -> None:
     plan = dk.plan_devices(billion_stack(), {3: "12GiB", 1: "12GiB"}, sample=META_SAMPLE)
     assert [str(d) for d in plan.devices] == ["cuda:1", "cuda:3"]
@@ -136,6 +145,8 @@ def test_plan_feeds_split() -> None:
     plan = dk.plan_devices(model, {"cpu": "1GiB"}, sample=torch.randn(4, 16))
     split = dk.split(model, plan)
     assert split.devices == [torch.device("cpu")] and split(torch.randn(2, 16)).shape == (2, 4)
+    pipe = dk.Pipeline(model, plan, chunks=2)
+    torch.testing.assert_close(pipe(torch.ones(4, 16)), model(torch.ones(4, 16)))
     gpu_plan = dk.plan_devices(model, {5: "1GiB"})
     with pytest.raises(dk.InvalidDeviceError, match="'cuda:5' is not present"):
         dk.split(model, gpu_plan)

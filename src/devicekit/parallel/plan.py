@@ -11,6 +11,7 @@ when the GPUs cannot hold it all. Unlike accelerate's ``infer_auto_device_map`` 
   saves (measured with a ``sample``, on the meta device if the model lives there), plus the
   largest layer's input and output as working space; ``training=False`` counts inference.
 
+``spread=True`` uses every GPU instead (for a pipeline, where more stages work at once).
 The result is a :class:`~devicekit.parallel.partition.Plan`: print it for the table and the
 reasons; hand it to ``dk.split`` or ``dk.Pipeline``.
 
@@ -123,8 +124,13 @@ def plan_devices(
     training: bool = True,
     optimizer: str | float | None = "adam",
     devices: Sequence[Any] | None = None,
+    spread: bool = False,
 ) -> Plan:
-    """Choose devices and layers per device within budgets; see the module doc."""
+    """Choose devices and layers per device within budgets; see the module doc.
+
+    ``spread=True`` uses every GPU with a budget (balanced) instead of the fewest that fit:
+    what a :class:`~devicekit.parallel.pipeline.Pipeline` wants, since more stages work at once.
+    """
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise InvalidValueError(f"headroom {headroom!r} must be a fraction in [0, 1), e.g. 0.1")
     layers = sequential_layers(model)
@@ -159,13 +165,15 @@ def plan_devices(
 
     # 1. the fewest GPUs (largest budgets first) that hold every layer, balanced among them
     by_room = sorted(gpus, key=lambda b: -b.usable)
-    for k in range(1, len(by_room) + 1):
+    for k in range(len(by_room) if spread else 1, len(by_room) + 1):
         chosen = sorted(by_room[:k], key=lambda b: b.device.index or 0)
         counts = fit_capacities(sizes, [capacity(b) for b in chosen])
         if counts is not None:
             used = [b for b, n in zip(chosen, counts, strict=True) if n]
-            reasons.append(f"{len(used)} of {len(gpus)} GPU(s) suffice ({', '.join(str(b.device) for b in used)}): "
-                           "fewest devices, most free memory first; layers balanced among them")
+            names = ", ".join(str(b.device) for b in used)
+            reasons.append(f"spread over {len(used)} GPU(s) ({names}), layers balanced among them" if spread
+                           else f"{len(used)} of {len(gpus)} GPU(s) suffice ({names}): fewest devices, "
+                           "most free memory first; layers balanced among them")
             return _finish(layers, costs, chosen, counts, factor, training, reasons)
     # 2. GPUs take the longest prefix they can hold (balanced); the rest runs on the CPU
     cpu = next((b for b in others if b.device.type == "cpu"), None)
