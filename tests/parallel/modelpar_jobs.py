@@ -90,6 +90,17 @@ def pipeline_stage(rank: int, world: int) -> dict:
             "max_diff": _max_diff(model, _reference(), only=own)}
 
 
+def refusal_reaches_every_rank(rank: int, world: int) -> dict:
+    """Rank 0 finds the model unsplittable; every rank must raise, none may hang."""
+    import devicekit as dk
+
+    try:
+        dk.pipeline_stage(nn.Sequential(nn.Linear(2, 2)), "cpu", chunks=2)
+    except dk.SplitError as exc:
+        return {"raised": str(exc)}
+    return {"raised": None}
+
+
 def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -98,6 +109,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result["ddp_of_split"] = ddp_of_split(rank, world)
         result["pipeline_stage"] = pipeline_stage(rank, world)
+        result["refusal"] = refusal_reaches_every_rank(rank, world)
     except Exception:
         result["error"] = traceback.format_exc()
     finally:

@@ -58,3 +58,8 @@ def test_pipeline_stages_over_gloo_match_single_process(results: list[dict]) -> 
     assert sorted(r["pipeline_stage"]["index"] for r in results) == [0, 1]
     for result in results:
         assert result["pipeline_stage"]["max_diff"] < 1e-5
+
+
+def test_a_refusal_on_rank_0_reaches_every_rank(results: list[dict]) -> None:
+    for result in results:
+        assert "cannot cut 1 layer(s) into 2 parts" in (result["refusal"]["raised"] or "")

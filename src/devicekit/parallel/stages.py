@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from devicekit.errors import DistributedError
+from devicekit.errors import DeviceKitError, DistributedError
 from devicekit.parallel.batchnorm import DeferredBatchNorm
 from devicekit.parallel.device_list import parse_device
 from devicekit.parallel.partition import Plan
@@ -117,11 +117,16 @@ def pipeline_stage(
     local = parse_device(device)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     if isinstance(balance, str):  # measure once, on the first rank, and share the counts
-        counts_box: list[Any] = [None]
+        box: list[Any] = [None]
         if rank == 0:
-            counts_box[0] = resolve(model, [local] * world, balance, sample, optimizer)[1].counts
-        dist.broadcast_object_list(counts_box, src=src, group=group)
-        balance = counts_box[0]
+            try:
+                box[0] = resolve(model, [local] * world, balance, sample, optimizer)[1].counts
+            except DeviceKitError as exc:  # every rank must hear of it, or the others wait forever
+                box[0] = exc
+        dist.broadcast_object_list(box, src=src, group=group)
+        if isinstance(box[0], DeviceKitError):
+            raise box[0]
+        balance = box[0]
     layers, plan = resolve(model, [local] * world, balance, sample, optimizer)
     own = Plan(parts=list(plan.parts), basis=plan.basis, memory_basis=plan.memory_basis,
                reasons=plan.reasons + [f"rank {rank} of {world} runs part {rank}"])
