@@ -108,6 +108,10 @@ _EXPORTS: dict[str, str] = {
     "split": "devicekit.parallel.split:split",
     "Pipeline": "devicekit.parallel.pipeline:Pipeline",
     "plan_devices": "devicekit.parallel.plan:plan_devices",
+    "SplitModel": "devicekit.parallel.split:SplitModel",
+    "Plan": "devicekit.parallel.partition:Plan",
+    "pipeline_stage": "devicekit.parallel.stages:pipeline_stage",
+    "DeferredBatchNorm": "devicekit.parallel.batchnorm:DeferredBatchNorm",
 }
 
 __all__ = sorted(_EXPORTS)
