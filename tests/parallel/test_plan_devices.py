@@ -148,7 +148,7 @@ def test_plan_feeds_split() -> None:
     pipe = dk.Pipeline(model, plan, chunks=2)
     torch.testing.assert_close(pipe(torch.ones(4, 16)), model(torch.ones(4, 16)))
     gpu_plan = dk.plan_devices(model, {5: "1GiB"})
-    with pytest.raises(dk.InvalidDeviceError, match="'cuda:5' is not present"):
+    with pytest.raises(dk.InvalidDeviceError, match="'cuda:5'"):
         dk.split(model, gpu_plan)
     with pytest.raises(dk.SplitError, match="plan covers 5 layers"):
         dk.split(nn.Sequential(nn.Linear(16, 4)), plan)

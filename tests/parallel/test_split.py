@@ -131,8 +131,8 @@ def test_refuses_models_whose_order_is_unknown(model: nn.Module, words: str) -> 
 
 
 @pytest.mark.parametrize("devices, words", [
-    (["gpu:0"], "'gpu:0' is not a device"),
-    (["cuda:7"], "'cuda:7' is not present"),
+    (["gpu:0"], "did you mean 'cuda:0'"),
+    (["cuda:7"], "'cuda:7'"),
     ([], "empty"),
     ("cpu", "single device"),
     ([-1], "negative"),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from devicekit.errors import InvalidDeviceError
+from devicekit.placement.devices import as_device, parse_device_spec
 
 __all__ = ["DeviceLike", "parse_device", "parse_devices"]
 
@@ -28,35 +29,17 @@ DeviceLike = torch.device | str | int
 
 
 def parse_device(value: Any, *, check: bool = True, name: str = "device") -> torch.device:
-    """``value`` as a :class:`torch.device`; ``check`` also asks torch whether a CUDA ordinal exists."""
-    if isinstance(value, bool):
-        raise InvalidDeviceError(f"{name} {value!r} is not a device; write 'cpu', 'cuda:0' or an index like 0")
-    if isinstance(value, torch.device):
-        device = value
-    elif isinstance(value, int):
-        if value < 0:
-            raise InvalidDeviceError(f"{name} {value!r} is negative; GPU indices start at 0")
-        device = torch.device("cuda", value)
-    elif isinstance(value, str):
-        try:
-            device = torch.device(value.strip())
-        except (RuntimeError, ValueError):
-            raise InvalidDeviceError(
-                f"{name} {value!r} is not a device; write 'cpu', 'cuda', 'cuda:0' or an index like 0"
-            ) from None
-    else:
-        raise InvalidDeviceError(
-            f"{name} {value!r} is not a device; write 'cpu', 'cuda:0' or an index like 0"
-        )
+    """``value`` as a :class:`torch.device`; ``check`` also asks torch whether it exists.
+
+    Parsing and checking are :func:`devicekit.placement.devices.as_device`'s; without ``check``
+    (planning for GPUs this process cannot see) only the spelling is validated.
+    """
+    try:
+        device = as_device(value) if check else parse_device_spec(value)
+    except InvalidDeviceError as exc:
+        raise InvalidDeviceError(f"{name}: {exc}") from None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    if check and device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if device.index is not None and device.index >= count:
-            raise InvalidDeviceError(
-                f"{name} {str(device)!r} is not present: torch sees {count} CUDA device(s); "
-                "check CUDA_VISIBLE_DEVICES or use 'cpu'"
-            )
     return device
 
 

@@ -24,7 +24,7 @@ import torch
 
 from devicekit.errors import InvalidDeviceError
 
-__all__ = ["try_gpu", "try_all_gpus", "as_device", "accelerator_type", "DeviceLike"]
+__all__ = ["try_gpu", "try_all_gpus", "as_device", "parse_device_spec", "accelerator_type", "DeviceLike"]
 
 DeviceLike = str | int | torch.device  # what as_device accepts
 
@@ -98,7 +98,8 @@ def _suggest(text: str) -> str:
     return f"{fixed}:{index}"
 
 
-def _parse(spec: object) -> torch.device:
+def parse_device_spec(spec: object) -> torch.device:
+    """``spec`` as a ``torch.device`` without checking that it exists (for planning ahead)."""
     if isinstance(spec, torch.device):
         return spec
     if isinstance(spec, bool):
@@ -133,15 +134,16 @@ def as_device(spec: DeviceLike) -> torch.device:
         known = None
     if known is not None:
         return known
-    device = _parse(spec)
+    device = parse_device_spec(spec)
     kind = device.type
+    shown = str(spec) if isinstance(spec, torch.device) else spec  # 'cuda:5', not device(...)
     if kind in ("cpu", "meta"):
         return device
     count = _count(kind)
     if count == 0:
         extra = f" ({_visible_note()})" if kind == "cuda" else ""
         raise InvalidDeviceError(
-            f"device {spec!r} asked for but this process sees no {kind} device{extra}; "
+            f"device {shown!r} asked for but this process sees no {kind} device{extra}; "
             "use devicekit.try_gpu() to fall back to the CPU"
         )
     if device.index is None:
@@ -150,7 +152,7 @@ def as_device(spec: DeviceLike) -> torch.device:
     if device.index >= count:
         extra = f"; {_visible_note()}" if kind == "cuda" else ""
         raise InvalidDeviceError(
-            f"device {spec!r} does not exist: this process sees {count} {kind} device(s) "
+            f"device {shown!r} does not exist: this process sees {count} {kind} device(s) "
             f"({kind}:0..{kind}:{count - 1}){extra}"
         )
     if len(_KNOWN_GOOD) < 256:
