@@ -101,8 +101,8 @@ def function_roots(fn: Callable[..., Any]) -> list[Root]:
         roots.append(Root(name, "closure", _cell_getter(cell)))
     module_globals = func.__globals__
     for name in sorted(_global_names(code)):
-        value = module_globals.get(name, MISSING)
-        if value is not MISSING and not is_plain_value(value):
+        # values are judged when read, not now: `total_loss = 0` becomes a tensor on step 1
+        if not isinstance(module_globals.get(name), _SKIP_TYPES):
             roots.append(Root(name, "global", _dict_getter(module_globals, name)))
     return roots
 
