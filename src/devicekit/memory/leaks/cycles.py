@@ -49,8 +49,7 @@ class CycleWatch:
         if self.active:
             return
         self._was_enabled = gc.isenabled()
-        gc.disable()
-        gc.collect()
+        gc.disable()  # no full collection here: pre-existing garbage is frozen, left as it was
         self._froze = gc.get_freeze_count() == 0  # never undo a freeze the program made itself
         if self._froze:
             gc.freeze()
@@ -60,8 +59,7 @@ class CycleWatch:
         if not self.active:
             return
         if self._froze:
-            gc.unfreeze()
-        gc.collect()
+            gc.unfreeze()  # back into the oldest generation: collected as it would have been
         if self._was_enabled:
             gc.enable()
         self.active = False
