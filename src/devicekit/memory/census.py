@@ -29,7 +29,7 @@ import torch
 
 from devicekit.memory.paths import walk
 from devicekit.memory.roots import frame_roots, user_frames
-from devicekit.memory.tensors import live_tensors, storage_bytes, storage_key
+from devicekit.memory.tensors import scan_objects, storage_bytes, storage_key
 from devicekit.units import format_size
 
 __all__ = ["Census", "CensusEntry", "CensusGroup", "census"]
@@ -65,6 +65,7 @@ class Census:
     by_name: list[CensusEntry]
     by_group: list[CensusGroup]
     by_category: dict[str, int]
+    by_device: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,48 +105,62 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def census(top: int = 20, *, frames: Iterable[types.FrameType] = (), tensors: list[torch.Tensor] | None = None) -> Census:
-    """Take the census; ``top`` rows per table. ``frames``: extra frames whose locals name tensors
-    (the OOM explainer passes the traceback's frames)."""
+def census(top: int = 20, *, device: str | None = None, frames: Iterable[types.FrameType] = (),
+           tensors: list[torch.Tensor] | None = None) -> Census:
+    """Take the census; ``top`` rows per table. ``device``: only tensors on this device
+    (``"cuda:0"``) or device type (``"cuda"``). ``frames``: extra frames whose locals name
+    tensors (the OOM explainer passes the traceback's frames)."""
     caller = sys._getframe(1)
-    all_tensors = live_tensors() if tensors is None else tensors
-    names = _name_tensors(list(frames) + list(user_frames(caller)))
+    found, modules, optimizers = scan_objects()
+    all_tensors = found if tensors is None else tensors
+    del found
+    if device is not None:
+        all_tensors = [t for t in all_tensors if str(t.device) == device or t.device.type == device]
+    names = _name_tensors(list(frames) + list(user_frames(caller)), modules, optimizers)
+    del modules, optimizers
     entries: list[tuple[int, CensusEntry, torch.Tensor]] = []
     for tensor in all_tensors:
-        name, category, where, rank = names.get(id(tensor), (None, "unnamed", "", 99))
-        if name is None:
-            name = _referrer_name(tensor)
+        name, category, where, rank = names.get(id(tensor), ("", "unnamed", "", 99))
         entries.append((rank, CensusEntry(name, category, str(tensor.device), _dtype(tensor),
                                           tuple(tensor.shape), storage_bytes(tensor), where), tensor))
     entries.sort(key=lambda item: (item[0], -item[1].bytes))
     owners: dict[tuple[str, int], str] = {}
-    counted: list[CensusEntry] = []
+    counted: list[tuple[CensusEntry, torch.Tensor]] = []
     groups: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
     by_category: dict[str, int] = {}
+    by_device: dict[str, int] = {}
     for _, entry, tensor in entries:
         key = storage_key(tensor)
         if key is not None and key in owners:
             entry = CensusEntry(**{**asdict(entry), "bytes": 0, "shared_with": owners[key]})
         elif key is not None:
             owners[key] = entry.name
-        counted.append(entry)
+        counted.append((entry, tensor))
         group = groups.setdefault((entry.device, entry.dtype, entry.shape), [0, 0])
         group[0] += 1
         group[1] += entry.bytes
         by_category[entry.category] = by_category.get(entry.category, 0) + entry.bytes
+        by_device[entry.device] = by_device.get(entry.device, 0) + entry.bytes
     del entries
-    counted.sort(key=lambda e: -e.bytes)
+    counted.sort(key=lambda pair: -pair[0].bytes)
+    rows = [  # naming by referrers scans every object: only for the rows shown
+        CensusEntry(**{**asdict(e), "name": _referrer_name(t)}) if not e.name else e
+        for e, t in counted[:top]
+    ]
+    total = sum(e.bytes for e, _ in counted)
+    count = len(counted)
+    del counted
     group_rows = sorted((CensusGroup(d, dt, s, c, b) for (d, dt, s), (c, b) in groups.items()),
                         key=lambda g: -g.bytes)
     notes = ["tensors held only by C++ (saved for backward) are not Python objects and are not listed"]
-    return Census(sum(e.bytes for e in counted), len(counted), counted[:top], group_rows[:top],
-                  by_category, notes)
+    return Census(total, count, rows, group_rows[:top], by_category, by_device, notes)
 
 
 _Name = tuple[str, str, str, int]  # name, category, where, rank (lower wins)
 
 
-def _name_tensors(frames: list[types.FrameType]) -> dict[int, _Name]:
+def _name_tensors(frames: list[types.FrameType], modules: list[torch.nn.Module],
+                  optimizers: list[torch.optim.Optimizer]) -> dict[int, _Name]:
     """id(tensor) -> name, from modules and optimizers found by gc, then from frame roots."""
     names: dict[int, _Name] = {}
     variable_of: dict[int, str] = {}
@@ -165,7 +180,6 @@ def _name_tensors(frames: list[types.FrameType]) -> dict[int, _Name]:
         if not key.startswith("__"):
             variable_of.setdefault(id(value), key)
             roots.append((key, "global", value, ""))
-    modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
     children = {id(child) for m in modules for child in m.children()}
     param_names: dict[int, str] = {}
     for module in modules:
@@ -180,7 +194,7 @@ def _name_tensors(frames: list[types.FrameType]) -> dict[int, _Name]:
                 names.setdefault(id(param.grad), (f"{full}.grad", "gradient", "", 2))
         for bname, buf in module.named_buffers():
             names.setdefault(id(buf), (f"{root}.{bname}", "buffer", "", 1))
-    for opt in (o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)):
+    for opt in optimizers:
         oname = variable_of.get(id(opt), "optimizer")
         for index, (param, state) in enumerate(opt.state.items()):
             pname = param_names.get(id(param), f"param{index}")

@@ -74,8 +74,8 @@ class OOMDiagnosis:
         if self.other_processes:
             lines.append("  other processes on this device:")
             for p in self.other_processes:
-                who = " ".join(x for x in (p.user and f"({p.user})", p.command) if x)
-                lines.append(f"    pid {p.pid} {who}: {s(p.memory)}")
+                who = "".join(f" {x}" for x in (p.user and f"({p.user})", p.command) if x)
+                lines.append(f"    pid {p.pid}{who}: {s(p.memory)}")
         if self.holders:
             lines.append("  biggest tensors:")
             for h in self.holders:
@@ -113,6 +113,10 @@ def explain(
         allocated = allocated if allocated is not None else observed.get("allocated")
         if unused is None and observed.get("reserved") is not None and observed.get("allocated") is not None:
             unused = observed["reserved"] - observed["allocated"]
+    listing = census(top=top, device=device, frames=frames)
+    holders = [e for e in listing.by_name if e.bytes]
+    if backend == "cpu" and allocated is None:
+        allocated = listing.by_device.get("cpu")
     row = _usage_row(device, usage)
     if row is not None:
         sources.append("a usage snapshot taken after the failure")
@@ -121,8 +125,6 @@ def explain(
         allocated = allocated if allocated is not None else row.allocated
         unused = unused if unused is not None else row.reserved_unused
     others = _other_processes(facts, index, gpus) if backend == "cuda" else []
-    holders = [e for e in census(top=max(top * 4, 20), frames=frames).by_name
-               if e.bytes and e.device.split(":")[0] == device.split(":")[0]][:top]
     diag_facts = OOMFacts(backend, requested, index, total, free, facts.allowed, None, allocated, unused)
     fixes = _rank_fixes(diag_facts, others, holders)
     return OOMDiagnosis(backend, device, requested, free, total, facts.allowed, allocated, unused, others,
@@ -131,10 +133,11 @@ def explain(
 
 def _usage_row(device: str, usage: list[DeviceMemory] | None) -> DeviceMemory | None:
     if usage is None:
+        from devicekit.memory.usage import cpu_usage
         from devicekit.memory.usage import usage as measure
 
-        try:
-            usage = measure(device)
+        try:  # CPU tensors were just counted by the census: no second walk
+            usage = [cpu_usage(count_tensors=False)] if device == "cpu" else measure(device)
         except Exception:  # the device may be gone or broken after the failure
             return None
     return next((row for row in usage if row.device == device), None)

@@ -97,7 +97,7 @@ def function_roots(fn: Callable[..., Any]) -> list[Root]:
         if hasattr(fn, "__dict__"):
             roots.append(Root("self", "self", lambda: fn))
         return roots
-    for name, cell in zip(code.co_freevars, func.__closure__ or ()):
+    for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
         roots.append(Root(name, "closure", _cell_getter(cell)))
     module_globals = func.__globals__
     for name in sorted(_global_names(code)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CUDA_BLOCK", "live_tensors", "storage_key", "storage_bytes", "total_bytes", "round_block"]
+__all__ = ["CUDA_BLOCK", "live_tensors", "scan_objects", "storage_key", "storage_bytes", "total_bytes", "round_block"]
 
 #: the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 CUDA_BLOCK = 512
@@ -32,16 +32,31 @@ def round_block(num_bytes: int, block: int = CUDA_BLOCK) -> int:
     return -(-num_bytes // block) * block
 
 
+def scan_objects() -> tuple[list[torch.Tensor], list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """One pass over the garbage collector's objects: tensors, modules, optimizers."""
+    kinds: dict[type, int] = {}
+    found: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+    tensor, module, optimizer = torch.Tensor, torch.nn.Module, torch.optim.Optimizer
+    for obj in gc.get_objects():
+        cls = type(obj)
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = kinds[cls] = (0 if issubclass(cls, tensor) else 1 if issubclass(cls, module)
+                                 else 2 if issubclass(cls, optimizer) else 3)
+        if kind < 3:
+            found[kind].append(obj)
+    return found
+
+
 def live_tensors() -> list[torch.Tensor]:
     """Every tensor object alive in this process that the garbage collector can see.
 
     Tensors held only inside C++ (saved for backward, captured by a CUDA graph) are not Python
     objects and are not listed; :func:`devicekit.memory.usage` counts them through the allocator.
     """
-    tensor_type = torch.Tensor
     # type(obj), not isinstance: isinstance reads obj.__class__, which proxies and deprecated
     # module attributes intercept (warnings, dead weakproxies)
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), tensor_type)]
+    return scan_objects()[0]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:

@@ -37,7 +37,7 @@ def growth(values: Sequence[float], *, min_rate: float = 1.0) -> float | None:
     """Bytes per step if ``values`` (post-warm-up samples, oldest first) keep growing, else None."""
     if len(values) < 3:
         return None
-    diffs = [b - a for a, b in zip(values, values[1:])]
+    diffs = [b - a for a, b in zip(values, values[1:], strict=False)]
     if any(d < 0 for d in diffs) or diffs[-1] <= 0:
         return None
     if sum(d > 0 for d in diffs) < max(2, math.ceil(0.75 * len(diffs))):
