@@ -37,6 +37,7 @@ __all__ = [
     "RankHangError",
     "BatchSizeError",
     "LaunchError",
+    "MissingDependencyError",
 ]
 
 
@@ -144,3 +145,7 @@ class RankHangError(DistributedError):
 
 class BatchSizeError(DeviceKitError, RuntimeError):
     """No batch size down to ``minimum`` fits in memory."""
+
+
+class MissingDependencyError(DeviceKitError, ImportError):
+    """An optional extra (e.g. matplotlib for plots) is needed and not installed."""

@@ -20,9 +20,10 @@ from __future__ import annotations
 from devicekit.memory.census import Census, CensusEntry, CensusGroup, census
 from devicekit.memory.release import Released, empty_cache, release
 from devicekit.memory.table import report
+from devicekit.memory.timeline import MemoryTimeline, TimelineSample
 from devicekit.memory.usage import DeviceMemory, usage
 
 __all__ = [
-    "Census", "CensusEntry", "CensusGroup", "DeviceMemory", "Released",
+    "Census", "CensusEntry", "CensusGroup", "DeviceMemory", "MemoryTimeline", "Released", "TimelineSample",
     "census", "empty_cache", "release", "report", "usage",
 ]
