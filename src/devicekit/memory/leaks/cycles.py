@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,8 +29,7 @@ from devicekit.memory.tensors import total_bytes
 __all__ = ["CycleSample", "CycleWatch"]
 
 
-@dataclass(frozen=True)
-class CycleSample:
+class CycleSample(NamedTuple):
     bytes: int
     holder: str | None
     holder_type: type | None

@@ -18,8 +18,7 @@ Usage::
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,9 +31,12 @@ NODE_BYTES = 256
 _saved_attrs: dict[type, tuple[str, ...]] = {}
 
 
-@dataclass(frozen=True)
-class Size:
-    """``bytes``: tensor storage (saved tensors included); ``items``: container length."""
+class Size(NamedTuple):
+    """``bytes``: tensor storage (saved tensors included); ``items``: container length.
+
+    A tuple of plain numbers, so the garbage collector stops tracking it: the detector keeps
+    one per holder per step, and its per-step collection must not grow with them.
+    """
 
     bytes: int = 0
     items: int = 0
