@@ -55,6 +55,15 @@ def test_maximum_caps_the_search() -> None:
     assert max(trial.calls) == 100
 
 
+def test_multiple_of_tries_only_multiples() -> None:
+    trial = HiddenLimit(101)
+    found = dk.find_batch_size(trial, start=16, multiple_of=8)
+    assert found == 96
+    assert all(n % 8 == 0 for n in trial.calls)
+    with pytest.raises(dk.InvalidValueError, match="start=12 is not a multiple of multiple_of=8"):
+        dk.find_batch_size(trial, start=12, multiple_of=8)
+
+
 def test_minimum_that_does_not_fit_is_a_clear_error() -> None:
     trial = HiddenLimit(3)
     with pytest.raises(dk.BatchSizeError) as err:

@@ -109,7 +109,8 @@ def _is_main() -> bool:
     return dist.get_rank() == 0
 
 
-def _run_trial(fn: Callable[[int], Any], size: int, trials: list[Trial]) -> bool:
+def _run_trial(fn: Callable[[int], Any], units: int, trials: list[Trial], scale: int) -> bool:
+    size = units * scale
     began = time.perf_counter()
     error = ""
     try:
@@ -138,11 +139,12 @@ def _run_trial(fn: Callable[[int], Any], size: int, trials: list[Trial]) -> bool
 
 def find_batch_size(
     fn: Callable[[int], Any], *, start: int = 32, minimum: int = 1, maximum: int | None = None,
-    key: str | None = None, cache: str | Path | None = None, refresh: bool = False,
+    multiple_of: int = 1, key: str | None = None, cache: str | Path | None = None, refresh: bool = False,
 ) -> BatchSize:
     """The largest batch size in ``[minimum, maximum]`` for which ``fn(size)`` runs without OOM.
 
-    ``key``: cache the answer under this name in ``cache`` (default
+    ``multiple_of``: try only multiples of it (8 for tensor cores): fewer trials, and the answer
+    is the largest multiple that fits. ``key``: cache the answer under this name in ``cache`` (default
     ``$XDG_CACHE_HOME/devicekit/batch_size.json``) and return it next time without trials;
     ``refresh=True`` searches again and overwrites it.
     """
@@ -153,8 +155,14 @@ def find_batch_size(
         raise InvalidValueError(f"maximum={maximum} is below minimum={minimum}; raise maximum")
     if start < minimum:
         raise InvalidValueError(f"start={start} is below minimum={minimum}; start at {minimum} or more")
-    top = maximum if maximum is not None else GROWTH_LIMIT
-    start = min(start, top)
+    step = _check_size("multiple_of", multiple_of)
+    if start % step:
+        raise InvalidValueError(f"start={start} is not a multiple of multiple_of={step}; start at {start // step * step or step}")
+    top = (maximum if maximum is not None else GROWTH_LIMIT) // step
+    low = -(-minimum // step)
+    if top < low:
+        raise InvalidValueError(f"no multiple of {step} between minimum={minimum} and maximum={maximum}")
+    start_units = min(start // step, top)
     if key is not None and not refresh:
         found = read_cached(key, cache)
         if found is not None:
@@ -165,7 +173,7 @@ def find_batch_size(
     if frozen:
         gc.freeze()
     try:
-        good = _search(fn, start, minimum, maximum, top)
+        good = _search(fn, start_units, low, maximum, top, step)
     finally:
         if frozen:
             gc.unfreeze()
@@ -175,39 +183,41 @@ def find_batch_size(
     return good
 
 
-def _search(fn: Callable[[int], Any], start: int, minimum: int, maximum: int | None, top: int) -> BatchSize:
+def _search(fn: Callable[[int], Any], start: int, minimum: int, maximum: int | None, top: int,
+            scale: int) -> BatchSize:
+    """Search in units of ``scale``: doubling from ``start``, halving to ``minimum``, bisecting."""
     trials: list[Trial] = []
     good: int | None = None
     bad: int | None = None
-    if _run_trial(fn, start, trials):
+    if _run_trial(fn, start, trials, scale):
         good = start
         while good < top:  # grow
             size = min(good * 2, top)
-            if _run_trial(fn, size, trials):
+            if _run_trial(fn, size, trials, scale):
                 good = size
             else:
                 bad = size
                 break
         if bad is None and maximum is None:
-            log.warning("batch size %d still fits; stopped growing at the limit %d", good, GROWTH_LIMIT)
+            log.warning("batch size %d still fits; stopped growing at the limit %d", good * scale, GROWTH_LIMIT)
     else:
         bad = start
         size = start
         while good is None:  # shrink by halves, never below minimum
             if size == minimum:
                 raise BatchSizeError(
-                    f"batch size {minimum} (the minimum) does not fit in memory ({trials[-1].error}); "
+                    f"batch size {minimum * scale} (the minimum) does not fit in memory ({trials[-1].error}); "
                     f"free memory (see dk.memory.report()) or lower minimum"
                 )
             size = max(size // 2, minimum)
-            if _run_trial(fn, size, trials):
+            if _run_trial(fn, size, trials, scale):
                 good = size
             else:
                 bad = size
     while bad is not None and bad - good > 1:  # bisect: good fits, bad does not
         middle = (good + bad) // 2
-        if _run_trial(fn, middle, trials):
+        if _run_trial(fn, middle, trials, scale):
             good = middle
         else:
             bad = middle
-    return BatchSize(good, trials)
+    return BatchSize(good * scale, trials)
