@@ -45,10 +45,11 @@ _observed: dict[str, Any] = {}
 _observer_attached = False
 
 
-def _observer(device: int, alloc: int, device_total: int, device_free: int) -> None:
-    """Called by the CUDA caching allocator just before it raises OutOfMemoryError."""
+def _observer(device: int, alloc: int, limit: int, device_free: int) -> None:
+    """Called by the CUDA caching allocator just before it raises OutOfMemoryError; ``limit`` is
+    the memory-fraction limit if one is set, else the device's total."""
     _observed.clear()
-    _observed.update(device=device, requested=alloc, total=device_total, free=device_free, time=time.time())
+    _observed.update(device=device, requested=alloc, limit=limit, free=device_free, time=time.time())
     try:  # the allocator released its lock before calling observers
         _observed.update(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device))
     except Exception:

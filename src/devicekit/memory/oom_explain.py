@@ -109,7 +109,7 @@ def explain(
         sources.append("the allocator at the moment of failure")
         requested = requested if requested is not None else observed.get("requested")
         free = free if free is not None else observed.get("free")
-        total = total if total is not None else observed.get("total")
+        total = total if total is not None else observed.get("limit")
         allocated = allocated if allocated is not None else observed.get("allocated")
         if unused is None and observed.get("reserved") is not None and observed.get("allocated") is not None:
             unused = observed["reserved"] - observed["allocated"]
