@@ -49,6 +49,14 @@ def test_finds_the_exact_limit_and_frees_every_trial(limit: int, start: int) -> 
     assert all(ref() is None for ref in trial.refs)  # no tensor of any trial survives
 
 
+def test_answer_pickles_with_its_trials() -> None:
+    import pickle
+
+    found = dk.find_batch_size(HiddenLimit(6), start=4)
+    again = pickle.loads(pickle.dumps(found))
+    assert again == 6 and again.trials == found.trials
+
+
 def test_maximum_caps_the_search() -> None:
     trial = HiddenLimit(10_000)
     assert dk.find_batch_size(trial, start=16, maximum=100) == 100

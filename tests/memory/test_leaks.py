@@ -284,3 +284,28 @@ def test_step_after_stop_is_an_error() -> None:
         ld.step()
     with pytest.raises(dk.InvalidValueError, match="after stop"):
         ld.step()
+
+
+def test_big_unchanged_container_is_not_rewalked_but_a_growing_one_is() -> None:
+    dataset = [torch.ones(4) for _ in range(300)]  # big and constant: measured once
+    seen: list[torch.Tensor] = []
+
+    def step() -> None:
+        seen.append(dataset[len(seen)] * 2)  # LEAK-big
+
+    report = dk.find_leaks(step)
+    assert report.leak("dataset") is None
+    assert_leak(report, "seen", "growing_container", "LEAK-big")
+
+
+def test_detector_without_with_never_pauses_gc() -> None:
+    ld = dk.LeakDetector()
+    kept: list[torch.Tensor] = []
+    for _ in range(6):
+        kept.append(torch.ones(10))
+        assert gc.isenabled()
+        ld.step()
+    report = ld.report()
+    assert report.leak("kept") is not None
+    assert any("reference cycles not checked" in note for note in report.notes)
+    ld.stop()

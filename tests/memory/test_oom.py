@@ -134,6 +134,16 @@ def test_decorator_and_real_cpu_allocator_failure() -> None:
     assert "host RAM is exhausted" in text
 
 
+def test_bare_decorator_reraises_after_explaining(capsys: pytest.CaptureFixture[str]) -> None:
+    @dk.oom_guard
+    def fails() -> None:
+        raise MemoryError()
+
+    with pytest.raises(MemoryError):
+        fails()
+    assert "out of memory on cpu" in capsys.readouterr().err
+
+
 def test_other_errors_pass_through_silently() -> None:
     out = io.StringIO()
     with pytest.raises(ValueError), dk.oom_guard(file=out):

@@ -17,7 +17,10 @@ Submodules: ``usage``, ``table``, ``census``, ``release``, ``leaks``, ``oom``, `
 
 from __future__ import annotations
 
+from devicekit.memory.batch_size import BatchSize, find_batch_size
 from devicekit.memory.census import Census, CensusEntry, CensusGroup, census
+from devicekit.memory.leaks import Leak, LeakDetector, LeakReport, find_leaks
+from devicekit.memory.oom import install_oom_handler, oom_guard
 from devicekit.memory.release import Released, empty_cache, release
 from devicekit.memory.table import report
 from devicekit.memory.timeline import MemoryTimeline, TimelineSample
@@ -25,5 +28,7 @@ from devicekit.memory.usage import DeviceMemory, usage
 
 __all__ = [
     "Census", "CensusEntry", "CensusGroup", "DeviceMemory", "MemoryTimeline", "Released", "TimelineSample",
-    "census", "empty_cache", "release", "report", "usage",
+    "BatchSize", "Leak", "LeakDetector", "LeakReport",
+    "census", "empty_cache", "find_batch_size", "find_leaks", "install_oom_handler", "oom_guard",
+    "release", "report", "usage",
 ]

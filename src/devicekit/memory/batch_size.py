@@ -68,6 +68,9 @@ class BatchSize(int):
         obj.cached = cached
         return obj
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BatchSize, (int(self), self.trials, self.cached))
+
 
 def _check_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -201,7 +201,11 @@ def _name_tensors(frames: list[types.FrameType], modules: list[torch.nn.Module],
             for key, value in state.items() if isinstance(state, dict) else ():
                 if isinstance(value, torch.Tensor):
                     names.setdefault(id(value), (f"{oname}.state[{pname}].{key}", "optimizer state", "", 3))
+    walked: set[int] = set()
     for name, origin, value, where in roots:
+        if id(value) in walked:  # the same module globals seen from several frames
+            continue
+        walked.add(id(value))
         for found in walk(name, value, max_depth=3, list_items=True, max_items=1000):
             if isinstance(found.value, torch.Tensor):
                 category = "attribute" if found.steps else origin

@@ -34,14 +34,18 @@ import torch
 from devicekit.errors import InvalidValueError
 from devicekit.memory.leaks.cycles import CycleSample, CycleWatch
 from devicekit.memory.leaks.holders import Holder, discover
-from devicekit.memory.leaks.lines import LineTracer
+from devicekit.memory.leaks.lines import LineTracer, fingerprint
 from devicekit.memory.leaks.measure import Size, measure
 from devicekit.memory.leaks.report import Leak, LeakReport
 from devicekit.memory.leaks.trend import growth, slope
 from devicekit.memory.leaks.verdict import fix_for, kind_of
+from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import Root, frame_roots
+from devicekit.units import format_size
 
 __all__ = ["LeakDetector"]
+
+_REMEASURE_BELOW = 256
 
 
 class LeakDetector:
@@ -69,6 +73,8 @@ class LeakDetector:
         self._tracer = LineTracer()
         self._cycle_watch = CycleWatch() if cycles else None
         self._notes: list[str] = []
+        self._allocated: list[tuple[int, int]] = []
+        self._big: dict[str, tuple[Any, Size]] = {}
         self._step = 0
         self._started = False
         self._stopped = False
@@ -102,7 +108,9 @@ class LeakDetector:
         frame = sys._getframe(1)
         if self._stopped:
             raise InvalidValueError("LeakDetector.step() called after stop(); use a new LeakDetector")
-        if not self._started:
+        if not self._started:  # no `with`: nothing guarantees stop(), so gc is never paused
+            self._cycle_watch = None
+            self._notes.append("reference cycles not checked: use `with LeakDetector() as ld:` for that")
             self.start(frame)
             return
         self._sample(frame)
@@ -124,7 +132,7 @@ class LeakDetector:
         holders = discover(self._roots_of(frame))
         grew: dict[str, Holder] = {}
         for path, holder in holders.items():
-            size = measure(holder.get())
+            size = self._measure(path, holder.get())
             series = self._series.setdefault(path, [])
             if series and series[-1][0] == step - 1 and size.effective > series[-1][1].effective:
                 grew[path] = holder
@@ -132,6 +140,8 @@ class LeakDetector:
                     self._line_of[path] = hits[path]
             series.append((step, size))
         self._holders.update(holders)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._allocated.append((step, torch.cuda.memory_allocated()))
         cycle_types: tuple[type, ...] = ()
         if self._cycle_watch is not None and not baseline:
             found = self._cycle_watch.sample()
@@ -147,6 +157,19 @@ class LeakDetector:
             self._tracer.start(frame)
             if self._tracer.blocked and self._tracer.blocked not in self._notes:
                 self._notes.append(self._tracer.blocked)
+
+    def _measure(self, path: str, value: Any) -> Size:
+        """Measure; a big container whose identity and length did not change keeps its last size
+        (walking a 10,000-item dataset list every step would cost more than the step)."""
+        if not isinstance(value, CONTAINERS) or len(value) < _REMEASURE_BELOW:
+            return measure(value)
+        print_ = fingerprint(value)
+        last = self._big.get(path)
+        if last is not None and last[0] == print_:
+            return last[1]
+        size = measure(value)
+        self._big[path] = (print_, size)
+        return size
 
     # -- verdict ---------------------------------------------------------------------------
     def report(self) -> LeakReport:
@@ -165,6 +188,13 @@ class LeakDetector:
             notes.append("some lines are unknown: the holder grew inside library code or only once traced")
         if not self.lines:
             notes.append("line attribution off (lines=False)")
+        post = [n for step, n in self._allocated if step >= self.warmup]
+        rate = growth(post)
+        explained = sum(leak.bytes_per_step for leak in leaks)
+        if rate is not None and explained < 0.5 * rate:
+            notes.append(f"CUDA memory allocated grows by {format_size(rate)}/step but the holders "
+                         f"found explain {format_size(explained)}/step: look at dk.memory.census() "
+                         f"between steps")
         return LeakReport(leaks, self._step, self.warmup, len(self._series), self.lines, notes)
 
     def _holder_leak(self, path: str) -> Leak | None:
