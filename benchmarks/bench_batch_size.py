@@ -82,5 +82,50 @@ def main() -> None:
           f"trials, devicekit / accelerate: {totals['dk'][0] / totals['acc'][0]:.2f}x")
 
 
+def gpu_part() -> None:
+    """The same comparison against real GPU memory (limited to about 2 GiB), when there is a GPU."""
+    print()
+    if not torch.cuda.is_available():
+        print("GPU part skipped: no CUDA device on this machine")
+        return
+    import gc
+    import time
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(0.9, 2 * 2**30 / total), 0)
+    unit = 16 * 2**20
+
+    def trial(n: int) -> int:
+        x = torch.empty(n * unit, dtype=torch.uint8, device="cuda:0")
+        y = x.clone()
+        del x, y
+        return n
+
+    try:
+        began = time.perf_counter()
+        found = dk.find_batch_size(trial, start=8)
+        dk_seconds = time.perf_counter() - began
+        gc.collect()
+        torch.cuda.empty_cache()
+        from accelerate.utils import find_executable_batch_size
+
+        calls = []
+
+        @find_executable_batch_size(starting_batch_size=256)
+        def run(batch_size: int) -> int:
+            calls.append(batch_size)
+            return trial(batch_size)
+
+        began = time.perf_counter()
+        acc = run()
+        acc_seconds = time.perf_counter() - began
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    print(f"GPU ({torch.cuda.get_device_name(0)}, limited to 2 GiB): real limit {int(found)} "
+          f"(devicekit, {len(found.trials)} trials, {dk_seconds:.2f} s); accelerate from 256: "
+          f"{acc} ({len(calls)} trials, {acc_seconds:.2f} s, {acc / found:.0%} of the limit)")
+
+
 if __name__ == "__main__":
     main()
+    gpu_part()

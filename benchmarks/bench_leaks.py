@@ -163,5 +163,43 @@ def main() -> None:
     print(f"MemTracker / devicekit step-level: {mt_ratio / dk_ratio:.1f}x slower")
 
 
+def gpu_part() -> None:
+    """Step-level tracking on a CUDA MLP, when there is a GPU (wall time, synchronised)."""
+    print()
+    if not torch.cuda.is_available():
+        print("GPU part skipped: no CUDA device on this machine")
+        return
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    def timed(with_detector: bool, steps: int = 100) -> float:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        if with_detector:
+            with dk.LeakDetector() as ld:
+                for _ in range(steps):
+                    step()
+                    ld.step()
+        else:
+            for _ in range(steps):
+                step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - began) / steps
+
+    timed(False, 5)
+    plain_s = min(timed(False) for _ in range(3))
+    dk_s = min(timed(True) for _ in range(3))
+    print(f"GPU ({torch.cuda.get_device_name(0)}): plain {plain_s * 1e3:.3f} ms/step, "
+          f"LeakDetector {dk_s * 1e3:.3f} ms/step, ratio {dk_s / plain_s:.2f}x")
+
+
 if __name__ == "__main__":
     main()
+    gpu_part()
