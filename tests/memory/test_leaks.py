@@ -309,3 +309,36 @@ def test_detector_without_with_never_pauses_gc() -> None:
     assert report.leak("kept") is not None
     assert any("reference cycles not checked" in note for note in report.notes)
     ld.stop()
+
+
+def test_leak_fields_match_the_contract() -> None:
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        kept.append(torch.ones(5))
+
+    leak = dk.find_leaks(step).leaks[0]
+    for name, kind in (("holder", str), ("kind", str), ("filename", str), ("lineno", int),
+                       ("bytes_per_step", int), ("fix", str)):
+        assert isinstance(getattr(leak, name), kind), name
+
+
+def test_another_tracer_turns_line_attribution_off_and_says_so() -> None:
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        kept.append(torch.ones(5))
+
+    def other_tracer(frame, event, arg):  # a debugger or coverage stand-in
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(other_tracer)
+    try:
+        report = dk.find_leaks(step)
+        assert sys.gettrace() is other_tracer  # never replaced
+    finally:
+        sys.settrace(previous)
+    leak = report.leak("kept")
+    assert leak is not None and leak.lineno == 0
+    assert any("another tracer" in note for note in report.notes)

@@ -151,6 +151,16 @@ def test_other_errors_pass_through_silently() -> None:
     assert out.getvalue() == ""
 
 
+def test_fragmentation_advice_when_expandable_segments_is_already_on(simulate, monkeypatch) -> None:
+    simulate([h100()])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    guard = dk.oom_guard(reraise=False, file=io.StringIO(), usage=fake_usage())
+    with guard:
+        raise torch.OutOfMemoryError(NEW_FORMAT)
+    fragmentation = [fix for fix in guard.diagnosis.fixes if "fragmentation" in fix]
+    assert fragmentation and "already on" in fragmentation[0]
+
+
 def test_oversized_single_allocation_is_the_first_fix(simulate) -> None:
     simulate([h100()])
     message = NEW_FORMAT.replace("Tried to allocate 20.00 MiB", "Tried to allocate 120.00 GiB")
