@@ -342,3 +342,36 @@ def test_another_tracer_turns_line_attribution_off_and_says_so() -> None:
     leak = report.leak("kept")
     assert leak is not None and leak.lineno == 0
     assert any("another tracer" in note for note in report.notes)
+
+
+def test_stopped_detector_keeps_nothing_alive() -> None:
+    import weakref
+
+    def loop() -> tuple[dk.LeakDetector, weakref.ref[torch.Tensor]]:
+        big = torch.ones(1000)
+        with dk.LeakDetector() as ld:
+            for _ in range(4):
+                ld.step()
+        return ld, weakref.ref(big)
+
+    ld, ref = loop()
+    gc.collect()
+    assert ref() is None  # the loop's frame and its tensors are gone although ld lives on
+    assert ld.report().ok
+
+
+def test_partial_and_callable_objects_are_followed() -> None:
+    import functools
+
+    class Step:
+        def __init__(self) -> None:
+            self.cache: list[torch.Tensor] = []
+
+        def __call__(self) -> None:
+            self.cache.append(torch.ones(8))  # LEAK-callable
+
+    def add(store: list[torch.Tensor]) -> None:
+        store.append(torch.ones(8))  # LEAK-partial
+
+    assert_leak(dk.find_leaks(Step()), "self.cache", "growing_container", "LEAK-callable")
+    assert_leak(dk.find_leaks(functools.partial(add, [])), "args[0]", "growing_container", "LEAK-partial")

@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 import types
@@ -87,15 +88,22 @@ def frame_roots(frame: types.FrameType, *, include_globals: bool = True) -> list
 
 def function_roots(fn: Callable[..., Any]) -> list[Root]:
     """What a step function can reach across calls: its globals, closure cells, bound ``self``."""
+    if isinstance(fn, functools.partial):
+        bound = [Root(f"args[{i}]", "closure", (lambda v=v: v)) for i, v in enumerate(fn.args)]
+        bound += [Root(k, "closure", (lambda v=v: v)) for k, v in fn.keywords.items()]
+        return function_roots(fn.func) + bound
     roots: list[Root] = []
     bound_self = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     if bound_self is not None and not isinstance(bound_self, types.ModuleType):
         roots.append(Root("self", "self", lambda: bound_self))
     code = getattr(func, "__code__", None)
-    if code is None:  # a callable object: its attributes are its state
+    if code is None:  # a callable object: its attributes are its state, its __call__ the code
         if hasattr(fn, "__dict__"):
             roots.append(Root("self", "self", lambda: fn))
+        call = vars(type(fn)).get("__call__")  # defined in Python on the class itself
+        if isinstance(call, types.FunctionType):
+            roots.extend(r for r in function_roots(call) if r.origin == "global")
         return roots
     for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
         roots.append(Root(name, "closure", _cell_getter(cell)))

@@ -67,7 +67,8 @@ class LeakDetector:
         self._extra = [Root(name, "global", (lambda v=value: v)) for name, value in (watch or {}).items()]
         self._roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_roots
         self._series: dict[str, list[tuple[int, Size]]] = {}
-        self._holders: dict[str, Holder] = {}
+        # path -> (origin, in_module, is_tensor): what the verdict needs, without the object itself
+        self._info: dict[str, tuple[str, bool, bool]] = {}
         self._cycles: list[tuple[int, CycleSample]] = []
         self._line_of: dict[str, tuple[str, int]] = {}
         self._tracer = LineTracer()
@@ -99,8 +100,12 @@ class LeakDetector:
     def stop(self) -> None:
         """Stop tracing and restore garbage collection; the measurements stay for :meth:`report`."""
         self._tracer.stop()
+        self._tracer.watch({})
         if self._cycle_watch is not None:
             self._cycle_watch.stop()
+        self._roots_of = lambda _frame: []  # drop the frames and objects: the detector may outlive them
+        self._extra = []
+        self._big.clear()
         self._stopped = True
 
     def step(self) -> None:
@@ -132,14 +137,16 @@ class LeakDetector:
         holders = discover(self._roots_of(frame))
         grew: dict[str, Holder] = {}
         for path, holder in holders.items():
-            size = self._measure(path, holder.get())
+            value = holder.get()
+            size = self._measure(path, value)
+            self._info[path] = (holder.origin, holder.in_module, isinstance(value, torch.Tensor))
+            del value
             series = self._series.setdefault(path, [])
             if series and series[-1][0] == step - 1 and size.effective > series[-1][1].effective:
                 grew[path] = holder
                 if path in hits:
                     self._line_of[path] = hits[path]
             series.append((step, size))
-        self._holders.update(holders)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._allocated.append((step, torch.cuda.memory_allocated()))
         cycle_types: tuple[type, ...] = ()
@@ -202,17 +209,16 @@ class LeakDetector:
         rate = growth([s.effective for s in post])
         if rate is None:
             return None
-        holder = self._holders[path]
-        value = holder.get()
+        origin, in_module, is_tensor = self._info[path]
         nodes_rate = slope([s.nodes for s in post])
-        kind = kind_of(in_module=holder.in_module, is_tensor=isinstance(value, torch.Tensor),
+        kind = kind_of(in_module=in_module, is_tensor=is_tensor,
                        nodes_grow=nodes_rate > 0)
         last = post[-1]
         filename, lineno = self._line_of.get(path, ("", 0))
         return Leak(
             holder=path, kind=kind, filename=filename, lineno=lineno, bytes_per_step=round(rate),
             fix=fix_for(kind, path, graph_alive=last.graph_alive, has_graph=last.nodes > 0),
-            origin=holder.origin, total_bytes=last.effective,
+            origin=origin, total_bytes=last.effective,
             items_per_step=round(slope([s.items for s in post]), 2), nodes_per_step=round(nodes_rate, 2),
             estimated=last.nodes > 0 or last.estimated, series=[s.effective for s in post],
         )
