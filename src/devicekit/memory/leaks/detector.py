@@ -180,7 +180,11 @@ class LeakDetector:
 
     # -- verdict ---------------------------------------------------------------------------
     def report(self) -> LeakReport:
-        """The leaks found so far (the detector may keep running)."""
+        """The leaks found so far. The line tracer pauses (the next step resumes it), so a
+        detector used without ``with`` leaves no trace function behind once reported."""
+        if self._tracer.active:
+            self._tracer.check()
+            self._tracer.stop()
         leaks = [leak for path in self._series if (leak := self._holder_leak(path)) is not None]
         leaks = _most_specific(leaks)
         cycle = self._cycle_leak()
