@@ -69,17 +69,24 @@ def plain_leaky(steps: int) -> float:
     return time.process_time() - began
 
 
+INSIDE: dict[str, list[float]] = {}  # CPU seconds spent inside ld.step(), per step, per variant
+
+
 def detector(lines: bool, cycles: bool) -> Callable[[int], float]:
     def run(steps: int) -> float:
         model, opt, x, y = setup()
         total = 0.0
+        inside = 0.0
         began = time.process_time()
         with dk.LeakDetector(lines=lines, cycles=cycles) as ld:
             for _ in range(steps):
                 total += train_step(model, opt, x, y).item()
+                mark = time.process_time()
                 ld.step()
+                inside += time.process_time() - mark
         elapsed = time.process_time() - began
         assert ld.report().ok, ld.report()
+        INSIDE.setdefault(f"lines={lines}, cycles={cycles}", []).append(inside / steps)
         return elapsed
 
     return run
@@ -161,6 +168,11 @@ def main() -> None:
     mt_ratio = results["torch MemTracker"] / base["plain"]
     print()
     print(f"MemTracker / devicekit step-level: {mt_ratio / dk_ratio:.1f}x slower")
+    print()
+    print("time inside ld.step() alone (the detector's own cost; steadier than the totals above):")
+    for name, values in INSIDE.items():
+        cost = sorted(values)[len(values) // 2]
+        print(f"  {name}: {cost * 1e3:.3f} ms/step = {cost / base['plain']:.1%} of a plain step")
 
 
 def gpu_part() -> None:
