@@ -71,8 +71,9 @@ def is_plain_value(value: Any) -> bool:
 
 def frame_roots(frame: types.FrameType, *, include_globals: bool = True) -> list[Root]:
     """The locals of ``frame`` (and its module globals, when ``include_globals``)."""
+    origin = "global" if frame.f_locals is frame.f_globals else "local"  # module-level code
     roots = [
-        Root(name, "local", _frame_getter(frame, name))
+        Root(name, origin, _frame_getter(frame, name))
         for name, value in frame.f_locals.items()
         if not is_plain_value(value) and not name.startswith("__")
     ]
