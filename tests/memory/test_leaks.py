@@ -324,11 +324,11 @@ def test_leak_fields_match_the_contract() -> None:
         assert isinstance(getattr(leak, name), kind), name
 
 
-def test_another_tracer_turns_line_attribution_off_and_says_so() -> None:
+def test_another_tracer_is_never_replaced() -> None:
     kept: list[torch.Tensor] = []
 
     def step() -> None:
-        kept.append(torch.ones(5))
+        kept.append(torch.ones(5))  # LEAK-beside-tracer
 
     def other_tracer(frame, event, arg):  # a debugger or coverage stand-in
         return None
@@ -341,8 +341,12 @@ def test_another_tracer_turns_line_attribution_off_and_says_so() -> None:
     finally:
         sys.settrace(previous)
     leak = report.leak("kept")
-    assert leak is not None and leak.lineno == 0
-    assert any("another tracer" in note for note in report.notes)
+    assert leak is not None
+    if hasattr(sys, "monitoring"):  # 3.12+: sys.monitoring runs beside the other tracer
+        assert leak.lineno == line_of("LEAK-beside-tracer")
+    else:
+        assert leak.lineno == 0
+        assert any("another tracer" in note for note in report.notes)
 
 
 def test_stopped_detector_keeps_nothing_alive() -> None:

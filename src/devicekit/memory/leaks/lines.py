@@ -1,13 +1,16 @@
 """Line attribution: which source line extended a holder, found by tracing user code only.
 
-While some holders are suspected (they grew on the last step), :class:`LineTracer` installs a
-trace function that follows only frames of user code (not the stdlib, site-packages or
-devicekit; other calls get no local tracer and cost one cheap check). At every traced line
+While some holders are suspected (they grew on the last step), :class:`LineTracer` follows
+only frames of user code (not the stdlib, site-packages or devicekit): on Python 3.12+ through
+``sys.monitoring`` (:mod:`~devicekit.memory.leaks.monitoring`: library code is switched off
+after its first call), before that through ``sys.settrace`` (other calls get no local tracer
+and cost one cheap check). At every traced line
 it compares a fingerprint of each suspect (identity, length, tensor version: O(1), no walking)
 with the last one; a change that extends the holder is charged to the line that ran just before.
 So ``total_loss += loss`` (an in-place add bumps the tensor's version), ``history.append(x)``
 and ``self.cache[k] = v`` inside ``forward`` are each found at their own line. Another tracer
-(a debugger, coverage) is never replaced: attribution is then off and the report says so.
+(a debugger, coverage) is never replaced: before 3.12 attribution is then off and the report
+says so; from 3.12 both run side by side.
 
 Usage::
 
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from devicekit.memory.leaks.holders import Holder
+from devicekit.memory.leaks.monitoring import MonitoringEngine
 from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, is_user_file
 
@@ -74,6 +78,7 @@ class LineTracer:
         self._user_code: dict[types.CodeType, bool] = {}
         self._frame: types.FrameType | None = None
         self._previous_trace: Callable[..., Any] | None = None
+        self._engine: MonitoringEngine | None = None
 
     def watch(self, holders: dict[str, Holder]) -> None:
         """Follow these holders from now on (fingerprints taken now)."""
@@ -92,6 +97,12 @@ class LineTracer:
         """Trace user code from now; ``frame``: an already running frame to trace too."""
         if self.active:
             return True
+        engine = MonitoringEngine.take(self._on_line, self.check, self._is_user)
+        if engine is not None:  # Python 3.12+: cheaper, and coexists with debuggers and coverage
+            self._engine = engine
+            engine.start(frame)
+            self.active = True
+            return True
         current = sys.gettrace()
         if current is not None:
             self.blocked = "line attribution off: another tracer (debugger or coverage) is active"
@@ -108,11 +119,15 @@ class LineTracer:
     def stop(self) -> None:
         if not self.active:
             return
+        self.active = False
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
+            return
         sys.settrace(self._previous_trace)
         if self._frame is not None:
             self._frame.f_trace = None
             self._frame = None
-        self.active = False
 
     def check(self) -> None:
         """Compare fingerprints now; charge changes to the last traced line (also called at step)."""
@@ -124,6 +139,12 @@ class LineTracer:
                 self._prints[path] = new
                 if prev is not None and extends(old, new):
                     self.hits[path] = prev
+
+    def _on_line(self, frame: types.FrameType, filename: str, lineno: int) -> None:
+        self.check()
+        if self._types:
+            self._spot_new(frame)
+        self._prev = (filename, lineno)
 
     def _spot_new(self, frame: types.FrameType) -> None:
         for value in frame.f_locals.values():
@@ -145,10 +166,7 @@ class LineTracer:
 
     def _local(self, frame: types.FrameType, event: str, arg: Any) -> Any:
         if event == "line":
-            self.check()
-            if self._types:
-                self._spot_new(frame)
-            self._prev = (frame.f_code.co_filename, frame.f_lineno)
+            self._on_line(frame, frame.f_code.co_filename, frame.f_lineno)
         elif event == "return":
             self.check()
         return self._local
