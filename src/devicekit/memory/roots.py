@@ -64,9 +64,17 @@ _SKIP_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, 
                type, types.CodeType, types.FrameType)
 
 
+_PLAIN = (int, float, complex, str, bytes, bool, type(None)) + _SKIP_TYPES
+_plain_types: dict[type, bool] = {}
+
+
 def is_plain_value(value: Any) -> bool:
     """Values that cannot hold tensors: numbers, strings, functions, modules, classes."""
-    return value is None or isinstance(value, (int, float, complex, str, bytes, bool) + _SKIP_TYPES)
+    cls = type(value)
+    found = _plain_types.get(cls)
+    if found is None:
+        found = _plain_types[cls] = issubclass(cls, _PLAIN)
+    return found
 
 
 def frame_roots(frame: types.FrameType, *, include_globals: bool = True) -> list[Root]:
