@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "RankHangError": "devicekit.errors:RankHangError",
     "BatchSizeError": "devicekit.errors:BatchSizeError",
     "GradientMismatchError": "devicekit.errors:GradientMismatchError",
+    "MissingDependencyError": "devicekit.errors:MissingDependencyError",
     # units
     "parse_size": "devicekit.units:parse_size",
     "format_size": "devicekit.units:format_size",
@@ -91,6 +92,7 @@ _EXPORTS: dict[str, str] = {
     "find_batch_size": "devicekit.memory.batch_size:find_batch_size",
     "release": "devicekit.memory.release:release",
     "empty_cache": "devicekit.memory.release:empty_cache",
+    "MemoryTimeline": "devicekit.memory.timeline:MemoryTimeline",
     # parallel
     "launch": "devicekit.parallel.launch:launch",
     "dist": "devicekit.parallel.dist",

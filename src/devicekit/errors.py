@@ -38,6 +38,7 @@ __all__ = [
     "BatchSizeError",
     "LaunchError",
     "GradientMismatchError",
+    "MissingDependencyError",
 ]
 
 
@@ -157,3 +158,7 @@ class GradientMismatchError(DistributedError):
     def __init__(self, message: str, report: object) -> None:
         super().__init__(message)
         self.report = report
+
+
+class MissingDependencyError(DeviceKitError, ImportError):
+    """An optional extra (e.g. matplotlib for plots) is needed and not installed."""

@@ -1,0 +1,131 @@
+"""Batch-size search: trials needed and how close the answer lands, devicekit vs accelerate.
+
+Each case hides a limit: the trial function raises a CUDA-style OutOfMemoryError above it
+(this is a CPU machine; the search logic is what is compared). devicekit's
+``find_batch_size`` doubles then bisects; accelerate's ``find_executable_batch_size`` starts
+at ``starting_batch_size`` and multiplies by 0.9 on every failure, never growing. Both start
+from the same size. "answer / limit" is how much of the real capacity each would use.
+
+Run: python benchmarks/bench_batch_size.py  (a few seconds)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's devicekit
+
+import torch  # noqa: E402
+
+import devicekit as dk  # noqa: E402
+
+CASES = [  # (hidden limit, start)
+    (37, 128), (100, 128), (200, 128), (1000, 128), (3000, 128), (12_345, 128), (50, 4096), (700, 4096),
+]
+
+
+class HiddenLimit:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.calls = 0
+
+    def __call__(self, batch_size: int) -> int:
+        self.calls += 1
+        if batch_size > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch_size} MiB.")
+        return batch_size
+
+
+def accelerate_search(limit: int, start: int) -> tuple[int, int]:
+    from accelerate.utils import find_executable_batch_size
+
+    trial = HiddenLimit(limit)
+
+    @find_executable_batch_size(starting_batch_size=start)
+    def run(batch_size: int) -> int:
+        return trial(batch_size)
+
+    return run(), trial.calls
+
+
+def devicekit_search(limit: int, start: int) -> tuple[int, int]:
+    trial = HiddenLimit(limit)
+    found = dk.find_batch_size(trial, start=start)
+    return int(found), trial.calls
+
+
+def main() -> None:
+    logging.getLogger("devicekit").setLevel(logging.WARNING)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, no GPU (simulated OOM above a hidden limit)")
+    print()
+    print("| hidden limit | start | devicekit answer | trials | answer/limit | accelerate answer | trials | answer/limit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    totals = {"dk": [0, 0.0], "acc": [0, 0.0]}
+    for limit, start in CASES:
+        dk_answer, dk_trials = devicekit_search(limit, start)
+        acc_answer, acc_trials = accelerate_search(limit, start)
+        totals["dk"][0] += dk_trials
+        totals["dk"][1] += dk_answer / limit
+        totals["acc"][0] += acc_trials
+        totals["acc"][1] += acc_answer / limit
+        print(f"| {limit} | {start} | {dk_answer} | {dk_trials} | {dk_answer / limit:.0%} | "
+              f"{acc_answer} | {acc_trials} | {acc_answer / limit:.0%} |")
+    n = len(CASES)
+    print(f"| **mean** | | | {totals['dk'][0] / n:.1f} | {totals['dk'][1] / n:.0%} | | "
+          f"{totals['acc'][0] / n:.1f} | {totals['acc'][1] / n:.0%} |")
+    print()
+    print(f"capacity used, devicekit / accelerate: {totals['dk'][1] / totals['acc'][1]:.2f}x; "
+          f"trials, devicekit / accelerate: {totals['dk'][0] / totals['acc'][0]:.2f}x")
+
+
+def gpu_part() -> None:
+    """The same comparison against real GPU memory (limited to about 2 GiB), when there is a GPU."""
+    print()
+    if not torch.cuda.is_available():
+        print("GPU part skipped: no CUDA device on this machine")
+        return
+    import gc
+    import time
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(0.9, 2 * 2**30 / total), 0)
+    unit = 16 * 2**20
+
+    def trial(n: int) -> int:
+        x = torch.empty(n * unit, dtype=torch.uint8, device="cuda:0")
+        y = x.clone()
+        del x, y
+        return n
+
+    try:
+        began = time.perf_counter()
+        found = dk.find_batch_size(trial, start=8)
+        dk_seconds = time.perf_counter() - began
+        gc.collect()
+        torch.cuda.empty_cache()
+        from accelerate.utils import find_executable_batch_size
+
+        calls = []
+
+        @find_executable_batch_size(starting_batch_size=256)
+        def run(batch_size: int) -> int:
+            calls.append(batch_size)
+            return trial(batch_size)
+
+        began = time.perf_counter()
+        acc = run()
+        acc_seconds = time.perf_counter() - began
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    print(f"GPU ({torch.cuda.get_device_name(0)}, limited to 2 GiB): real limit {int(found)} "
+          f"(devicekit, {len(found.trials)} trials, {dk_seconds:.2f} s); accelerate from 256: "
+          f"{acc} ({len(calls)} trials, {acc_seconds:.2f} s, {acc / found:.0%} of the limit)")
+
+
+if __name__ == "__main__":
+    main()
+    gpu_part()

@@ -1,0 +1,74 @@
+"""The batch-size cache: one JSON file of ``{key: {"batch_size": n, ...}}``, written atomically.
+
+Usage::
+
+    from devicekit.memory.batch_size_cache import read_cached, write_cached
+
+    write_cached("resnet50-224", 181)          # default file under $XDG_CACHE_HOME/devicekit
+    read_cached("resnet50-224")                # 181
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from devicekit.errors import InvalidValueError
+
+__all__ = ["default_cache_file", "read_cached", "write_cached"]
+
+
+def default_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "devicekit" / "batch_size.json"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidValueError(f"batch-size cache {str(path)!r} is not JSON; delete it or pass another cache=") from None
+    if not isinstance(data, dict):
+        raise InvalidValueError(f"batch-size cache {str(path)!r} is not a JSON object; delete it or pass another cache=")
+    return data
+
+
+def read_cached(key: str, cache: str | Path | None = None) -> int | None:
+    entry = _load(Path(cache) if cache is not None else default_cache_file()).get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("batch_size"), int):
+        return int(entry["batch_size"])
+    return None
+
+
+def write_cached(key: str, batch_size: int, cache: str | Path | None = None) -> Path:
+    """Record ``batch_size`` under ``key``; the file is replaced atomically (never half-written)."""
+    path = Path(cache) if cache is not None else default_cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _load(path)
+    entry: dict[str, Any] = {"batch_size": batch_size, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        import torch
+
+        entry["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            entry["device"] = torch.cuda.get_device_name(torch.cuda.current_device())
+    except Exception:  # the cache entry is still useful without these
+        pass
+    data[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

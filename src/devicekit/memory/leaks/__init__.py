@@ -1,0 +1,26 @@
+"""Leak finder: name the variable whose memory keeps growing, the line, and the fix.
+
+Usage::
+
+    import devicekit as dk
+
+    report = dk.find_leaks(train_step, steps=6, warmup=2)     # a step function
+    with dk.LeakDetector() as ld:                             # or a loop you write
+        for batch in loader:
+            ...
+            ld.step()
+    print(ld.report())
+    report.leaks[0].holder, report.leaks[0].lineno, report.to_json()
+
+Modules: ``holders`` (what to watch), ``measure`` (how big), ``trend`` (is it growing),
+``lines`` (which line), ``cycles`` (reference cycles), ``verdict`` (kind and fix),
+``report`` (Leak, LeakReport), ``detector`` (LeakDetector), ``find`` (find_leaks).
+"""
+
+from __future__ import annotations
+
+from devicekit.memory.leaks.detector import LeakDetector
+from devicekit.memory.leaks.find import find_leaks
+from devicekit.memory.leaks.report import KINDS, Leak, LeakReport
+
+__all__ = ["KINDS", "Leak", "LeakDetector", "LeakReport", "find_leaks"]

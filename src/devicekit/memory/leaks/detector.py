@@ -1,0 +1,255 @@
+"""LeakDetector: watch a hand-written training loop for memory that keeps growing.
+
+At each ``ld.step()`` it finds the holders the loop can keep (the calling frame's locals and
+globals, two named steps deep: ``total_loss``, ``model.history``, ``cache``), measures each one
+(tensor bytes, items, autograd nodes), and, with ``cycles=True``, collects the cyclic garbage of
+the step to see tensors held by reference cycles. A holder leaks when it keeps growing after
+``warmup`` steps (see :mod:`~devicekit.memory.leaks.trend`). With ``lines=True`` the holders
+that grew on the last step are followed line by line during the next one
+(:mod:`~devicekit.memory.leaks.lines`), which names the line that extended them.
+
+Usage::
+
+    import devicekit as dk
+
+    total_loss = 0
+    with dk.LeakDetector(warmup=2) as ld:
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            total_loss += loss            # the leak: keeps every graph
+            ld.step()
+    print(ld.report())                    # total_loss: autograd graph kept alive, line 7, fix: .item()
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from devicekit.errors import InvalidValueError
+from devicekit.memory.leaks.cycles import CycleSample, CycleWatch
+from devicekit.memory.leaks.holders import Holder, discover
+from devicekit.memory.leaks.lines import LineTracer, fingerprint
+from devicekit.memory.leaks.measure import Size, measure
+from devicekit.memory.leaks.report import Leak, LeakReport
+from devicekit.memory.leaks.trend import growth, slope
+from devicekit.memory.leaks.verdict import fix_for, kind_of
+from devicekit.memory.paths import CONTAINERS
+from devicekit.memory.roots import Root, frame_roots
+from devicekit.units import format_size
+
+__all__ = ["LeakDetector"]
+
+_REMEASURE_BELOW = 256
+
+
+class LeakDetector:
+    """Find leaks in a loop you write; see the module docstring.
+
+    ``watch``: extra objects to follow by name (``watch={"trainer": trainer}``), for holders the
+    calling frame cannot see. ``lines``: attribute leaks to source lines (costs more only while
+    something grows). ``cycles``: look for tensors held by reference cycles (pauses automatic
+    garbage collection while watching; restored on exit).
+    """
+
+    def __init__(self, *, warmup: int = 2, lines: bool = True, cycles: bool = True,
+                 watch: dict[str, Any] | None = None) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise InvalidValueError(f"warmup={warmup!r} must be a whole number of steps >= 0")
+        self.warmup = warmup
+        self.lines = lines
+        self.cycles = cycles
+        self._extra = [Root(name, "global", (lambda v=value: v)) for name, value in (watch or {}).items()]
+        self._roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_roots
+        self._series: dict[str, list[tuple[int, Size]]] = {}
+        # path -> (origin, in_module, is_tensor): what the verdict needs, without the object itself
+        self._info: dict[str, tuple[str, bool, bool]] = {}
+        self._cycles: list[tuple[int, CycleSample]] = []
+        self._line_of: dict[str, tuple[str, int]] = {}
+        self._tracer = LineTracer()
+        self._cycle_watch = CycleWatch() if cycles else None
+        self._notes: list[str] = []
+        self._allocated: list[tuple[int, int]] = []
+        self._big: dict[str, tuple[Any, Size]] = {}
+        self._step = 0
+        self._started = False
+        self._stopped = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> LeakDetector:
+        self.start(sys._getframe(1))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self, frame: types.FrameType | None = None) -> None:
+        """Take the baseline (step 0); ``frame``: the loop's frame (default: the caller's)."""
+        if self._started:
+            return
+        self._started = True
+        if self._cycle_watch is not None:
+            self._cycle_watch.start()
+        self._sample(frame if frame is not None else sys._getframe(1), baseline=True)
+
+    def stop(self) -> None:
+        """Stop tracing and restore garbage collection; the measurements stay for :meth:`report`."""
+        self._tracer.stop()
+        self._tracer.watch({})
+        if self._cycle_watch is not None:
+            self._cycle_watch.stop()
+        self._roots_of = lambda _frame: []  # drop the frames and objects: the detector may outlive them
+        self._extra = []
+        self._big.clear()
+        self._stopped = True
+
+    def step(self) -> None:
+        """Mark the end of one step (call it once per iteration, at the same place)."""
+        frame = sys._getframe(1)
+        if self._stopped:
+            raise InvalidValueError("LeakDetector.step() called after stop(); use a new LeakDetector")
+        if not self._started:  # no `with`: nothing guarantees stop(), so gc is never paused
+            self._cycle_watch = None
+            self._notes.append("reference cycles not checked: use `with LeakDetector() as ld:` for that")
+            self.start(frame)
+            return
+        self._sample(frame)
+
+    # -- measurement -----------------------------------------------------------------------
+    def _frame_roots(self, frame: types.FrameType | None) -> list[Root]:
+        roots = frame_roots(frame) if frame is not None else []
+        return roots + self._extra
+
+    def _sample(self, frame: types.FrameType | None, *, baseline: bool = False) -> None:
+        if self._tracer.active:
+            self._tracer.check()
+            self._tracer.stop()
+        hits = dict(self._tracer.hits)
+        self._tracer.hits.clear()
+        if not baseline:
+            self._step += 1
+        step = self._step
+        holders = discover(self._roots_of(frame))
+        grew: dict[str, Holder] = {}
+        for path, holder in holders.items():
+            value = holder.get()
+            size = self._measure(path, value)
+            self._info[path] = (holder.origin, holder.in_module, isinstance(value, torch.Tensor))
+            del value
+            series = self._series.setdefault(path, [])
+            if series and series[-1][0] == step - 1 and size.effective > series[-1][1].effective:
+                grew[path] = holder
+                if path in hits:
+                    self._line_of[path] = hits[path]
+            series.append((step, size))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._allocated.append((step, torch.cuda.memory_allocated()))
+        cycle_types: tuple[type, ...] = ()
+        if self._cycle_watch is not None and not baseline:
+            found = self._cycle_watch.sample()
+            self._cycles.append((step, found))
+            if found.holder_type is not None:
+                key = f"type:{found.holder_type.__name__}"
+                if key in hits:
+                    self._line_of[key] = hits[key]
+                cycle_types = (found.holder_type,)
+        if self.lines and (grew or cycle_types):
+            self._tracer.watch(grew)
+            self._tracer.watch_types(cycle_types)
+            self._tracer.start(frame)
+            if self._tracer.blocked and self._tracer.blocked not in self._notes:
+                self._notes.append(self._tracer.blocked)
+
+    def _measure(self, path: str, value: Any) -> Size:
+        """Measure; a big container whose identity and length did not change keeps its last size
+        (walking a 10,000-item dataset list every step would cost more than the step)."""
+        if not isinstance(value, CONTAINERS) or len(value) < _REMEASURE_BELOW:
+            return measure(value)
+        print_ = fingerprint(value)
+        last = self._big.get(path)
+        if last is not None and last[0] == print_:
+            return last[1]
+        size = measure(value)
+        self._big[path] = (print_, size)
+        return size
+
+    # -- verdict ---------------------------------------------------------------------------
+    def report(self) -> LeakReport:
+        """The leaks found so far. The line tracer pauses (the next step resumes it), so a
+        detector used without ``with`` leaves no trace function behind once reported."""
+        if self._tracer.active:
+            self._tracer.check()
+            self._tracer.stop()
+        leaks = [leak for path in self._series if (leak := self._holder_leak(path)) is not None]
+        leaks = _most_specific(leaks)
+        cycle = self._cycle_leak()
+        if cycle is not None:
+            leaks.append(cycle)
+        leaks.sort(key=lambda leak: -leak.bytes_per_step)
+        notes = list(self._notes)
+        if self._step - self.warmup < 2:
+            notes.append(f"only {self._step} step(s) measured with warmup={self.warmup}: "
+                         f"a leak needs at least 2 steps after warm-up to show")
+        if any(leak.lineno == 0 for leak in leaks) and self.lines:
+            notes.append("some lines are unknown: the holder grew inside library code or only once traced")
+        if not self.lines:
+            notes.append("line attribution off (lines=False)")
+        post = [n for step, n in self._allocated if step >= self.warmup]
+        rate = growth(post)
+        explained = sum(leak.bytes_per_step for leak in leaks)
+        if rate is not None and explained < 0.5 * rate:
+            notes.append(f"CUDA memory allocated grows by {format_size(rate)}/step but the holders "
+                         f"found explain {format_size(explained)}/step: look at dk.memory.census() "
+                         f"between steps")
+        return LeakReport(leaks, self._step, self.warmup, len(self._series), self.lines, notes)
+
+    def _holder_leak(self, path: str) -> Leak | None:
+        post = [size for step, size in self._series[path] if step >= self.warmup]
+        rate = growth([s.effective for s in post])
+        if rate is None:
+            return None
+        origin, in_module, is_tensor = self._info[path]
+        nodes_rate = slope([s.nodes for s in post])
+        kind = kind_of(in_module=in_module, is_tensor=is_tensor,
+                       nodes_grow=nodes_rate > 0)
+        last = post[-1]
+        filename, lineno = self._line_of.get(path, ("", 0))
+        return Leak(
+            holder=path, kind=kind, filename=filename, lineno=lineno, bytes_per_step=round(rate),
+            fix=fix_for(kind, path, graph_alive=last.graph_alive, has_graph=last.nodes > 0),
+            origin=origin, total_bytes=last.effective,
+            items_per_step=round(slope([s.items for s in post]), 2), nodes_per_step=round(nodes_rate, 2),
+            estimated=last.nodes > 0 or last.estimated, series=[s.effective for s in post],
+        )
+
+    def _cycle_leak(self) -> Leak | None:
+        post = [sample for step, sample in self._cycles if step > self.warmup]
+        with_tensors = [s for s in post if s.bytes > 0]
+        if len(post) < 2 or not post[-1].bytes or len(with_tensors) < max(2, 0.75 * len(post)):
+            return None
+        holder = max({s.holder for s in with_tensors if s.holder},
+                     key=lambda h: sum(s.holder == h for s in with_tensors))
+        holder_type = next((s.holder_type for s in with_tensors if s.holder == holder), None)
+        where = self._line_of.get(f"type:{holder_type.__name__}" if holder_type else "", ("", 0))
+        rate = round(sum(s.bytes for s in with_tensors) / len(post))
+        return Leak(holder=holder, kind="reference_cycle", filename=where[0], lineno=where[1],
+                    bytes_per_step=rate, fix=fix_for("reference_cycle", holder, graph_alive=False,
+                                                     has_graph=False),
+                    origin="cycle", total_bytes=sum(s.bytes for s in with_tensors),
+                    series=[s.bytes for s in post])
+
+
+def _most_specific(leaks: list[Leak]) -> list[Leak]:
+    """Drop ``stats`` when ``stats['losses']`` explains its growth."""
+    kept = []
+    for leak in leaks:
+        inner = [o for o in leaks if o is not leak and o.holder.startswith(leak.holder)
+                 and o.holder[len(leak.holder):][:1] in (".", "[")]
+        if not any(o.bytes_per_step * 2 >= leak.bytes_per_step for o in inner):
+            kept.append(leak)
+    return kept

@@ -1,0 +1,107 @@
+"""What the leak finder found: :class:`Leak` (one holder) and :class:`LeakReport` (all of them).
+
+Usage::
+
+    report = dk.find_leaks(train_step)
+    print(report)                       # one block per leak: holder, line, rate, fix
+    for leak in report.leaks:
+        print(leak.holder, leak.kind, f"{leak.filename}:{leak.lineno}", leak.bytes_per_step, leak.fix)
+    report.to_json()                    # the same, machine-readable
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from devicekit.units import format_size
+
+__all__ = ["Leak", "LeakReport", "KINDS"]
+
+#: kind -> what it means, for people
+KINDS = {
+    "autograd_graph": "autograd graph kept alive",
+    "growing_container": "growing container",
+    "module_cache": "tensors cached on a module",
+    "reference_cycle": "reference cycle holding tensors",
+    "growing_tensor": "tensor that keeps growing",
+}
+
+
+@dataclass(frozen=True)
+class Leak:
+    """One holder whose memory keeps growing after warm-up.
+
+    ``lineno`` is the line that last extended the holder; ``0`` (and ``filename`` ``""``) only
+    when line attribution was off or could not run, which ``LeakReport.notes`` then says.
+    ``bytes_per_step`` is tensor bytes per step plus, for autograd graphs, an estimate of the
+    nodes kept alive (``estimated`` is then True).
+    """
+
+    holder: str
+    kind: str
+    filename: str
+    lineno: int
+    bytes_per_step: int
+    fix: str
+    origin: str = ""
+    total_bytes: int = 0
+    items_per_step: float = 0.0
+    nodes_per_step: float = 0.0
+    estimated: bool = False
+    series: list[int] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.filename}:{self.lineno}" if self.lineno else "line unknown"
+
+    def __str__(self) -> str:
+        return (f"{self.holder}: {KINDS.get(self.kind, self.kind)}, +{format_size(self.bytes_per_step)}"
+                f"/step, extended at {self.where}\n    fix: {self.fix}")
+
+
+@dataclass(frozen=True)
+class LeakReport:
+    leaks: list[Leak]
+    steps: int
+    warmup: int
+    holders_tracked: int
+    lines: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing leaks."""
+        return not self.leaks
+
+    def leak(self, holder: str) -> Leak | None:
+        """The leak of ``holder``, if any."""
+        return next((leak for leak in self.leaks if leak.holder == holder), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        head = (f"{len(self.leaks)} leak(s) after {self.steps} steps ({self.warmup} warm-up), "
+                f"{self.holders_tracked} holders tracked")
+        if not self.leaks:
+            head = f"no leak: {self.holders_tracked} holders tracked over {self.steps} steps ({self.warmup} warm-up)"
+        return "\n".join([head, *(f"  {leak}" for leak in self.leaks), *(f"  note: {n}" for n in self.notes)])
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=str(self).splitlines()[0], title_justify="left")
+        for column in ("holder", "kind", "per step", "line", "fix"):
+            table.add_column(column, justify="right" if column == "per step" else "left")
+        for leak in self.leaks:
+            table.add_row(leak.holder, KINDS.get(leak.kind, leak.kind), format_size(leak.bytes_per_step),
+                          leak.where, leak.fix)
+        if self.notes:
+            table.caption = "\n".join(self.notes)
+            table.caption_justify = "left"
+        return table

@@ -1,0 +1,186 @@
+"""The OOM explainer: parsed figures, plain-language diagnosis, memory really released."""
+
+from __future__ import annotations
+
+import io
+import sys
+import weakref
+
+import pytest
+import torch
+
+import devicekit as dk
+from devicekit.memory.oom_message import is_oom, parse_oom
+from devicekit.memory.usage import DeviceMemory
+from tests.conftest import h100
+
+NEW_FORMAT = (
+    "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.15 GiB of "
+    "which 6.56 MiB is free. Process 4242 has 30.00 GiB memory in use. Including non-PyTorch memory, "
+    "this process has 49.14 GiB memory in use. Of the allocated memory 38.60 GiB is allocated by "
+    "PyTorch, and 10.00 GiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+OLD_FORMAT = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 1; 15.78 GiB total capacity; 12.50 GiB "
+    "already allocated; 1.20 GiB free; 13.00 GiB reserved in total by PyTorch)"
+)
+CPU_MESSAGE = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)"
+)
+GiB, MiB = 2**30, 2**20
+
+
+def test_parse_new_cuda_message() -> None:
+    facts = parse_oom(NEW_FORMAT)
+    assert facts.backend == "cuda"
+    assert facts.requested == 20 * MiB
+    assert facts.device == 0
+    assert facts.total == int(79.15 * GiB)
+    assert facts.free == int(6.56 * MiB)
+    assert facts.allocated == int(38.6 * GiB)
+    assert facts.reserved_unused == 10 * GiB
+    assert facts.processes == ((4242, 30 * GiB),)
+
+
+def test_parse_old_cuda_message_and_cpu_message() -> None:
+    old = parse_oom(OLD_FORMAT)
+    assert (old.requested, old.device, old.free) == (2 * GiB, 1, int(1.2 * GiB))
+    assert old.reserved_unused == int(13 * GiB) - int(12.5 * GiB)
+    cpu = parse_oom(CPU_MESSAGE)
+    assert (cpu.backend, cpu.requested) == ("cpu", 1125899906842624)
+
+
+def test_is_oom_accepts_only_memory_errors() -> None:
+    assert is_oom(torch.OutOfMemoryError(NEW_FORMAT))
+    assert is_oom(RuntimeError(CPU_MESSAGE))
+    assert is_oom(MemoryError())
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom(ValueError("out of memory"))
+
+
+def fake_usage() -> list[DeviceMemory]:
+    return [DeviceMemory("cuda:0", "NVIDIA H100 80GB HBM3", allocated=38 * GiB, reserved=48 * GiB,
+                         peak=40 * GiB, reserved_unused=10 * GiB, free=6 * MiB, total=80 * GiB)]
+
+
+def failing_forward(refs: list[weakref.ref[torch.Tensor]]) -> None:
+    activations = torch.ones(256, 1024)  # 1 MiB held by this frame when the OOM strikes
+    refs.append(weakref.ref(activations))
+    raise torch.OutOfMemoryError(NEW_FORMAT)
+
+
+def test_guard_explains_a_simulated_cuda_oom_and_frees_the_frames(simulate) -> None:
+    simulate([h100(used="30GiB", processes=[{"pid": 4242, "user": "alice", "memory": "30GiB",
+                                             "command": "python other.py"}])])
+    out = io.StringIO()
+    refs: list[weakref.ref[torch.Tensor]] = []
+    guard = dk.oom_guard(reraise=False, file=out, usage=fake_usage())
+    with guard:
+        failing_forward(refs)
+    text = out.getvalue()
+    assert "out of memory on cuda:0" in text
+    assert "asked for:    20 MiB" in text
+    assert "free:         6.6 MiB of 79.1 GiB" in text
+    assert "10 GiB reserved but unused" in text
+    assert "pid 4242 (alice) python other.py: 30 GiB" in text
+    fixes = guard.diagnosis.fixes
+    assert "other processes hold 30 GiB" in fixes[0]
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in fixes[1]
+    assert any("dk.find_batch_size" in fix for fix in fixes)
+    assert refs[0]() is None  # the failed frame's tensor is gone
+
+
+def test_guard_reraises_by_default_and_attaches_the_diagnosis(simulate) -> None:
+    simulate([h100()])
+    out = io.StringIO()
+    with pytest.raises(torch.OutOfMemoryError) as err, dk.oom_guard(file=out, usage=fake_usage()):
+        raise torch.OutOfMemoryError(NEW_FORMAT)
+    assert err.value.devicekit_diagnosis.requested == 20 * MiB
+    assert "what to do" in out.getvalue()
+
+
+def test_cpu_oom_names_the_biggest_tensor_by_variable() -> None:
+    out = io.StringIO()
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def cpu_forward() -> None:
+        activations = torch.ones(1024, 1024)  # 4 MiB, the biggest tensor in the failing frame
+        refs.append(weakref.ref(activations))
+        raise RuntimeError(CPU_MESSAGE)
+
+    with dk.oom_guard(reraise=False, file=out):
+        cpu_forward()
+    lines = out.getvalue().splitlines()
+    biggest = lines[lines.index("  biggest tensors:") + 1]
+    assert "4 MiB  activations (local, float32 [1024, 1024]) [cpu_forward (test_oom.py:" in biggest
+    assert refs[0]() is None
+
+
+def test_decorator_and_real_cpu_allocator_failure() -> None:
+    out = io.StringIO()
+
+    @dk.oom_guard(reraise=False, file=out)
+    def allocate_a_pebibyte() -> None:
+        torch.empty(1 << 50, dtype=torch.uint8)
+
+    allocate_a_pebibyte()
+    text = out.getvalue()
+    assert "out of memory on cpu" in text
+    assert "asked for:    1024 TiB" in text
+    assert "host RAM is exhausted" in text
+
+
+def test_bare_decorator_reraises_after_explaining(capsys: pytest.CaptureFixture[str]) -> None:
+    @dk.oom_guard
+    def fails() -> None:
+        raise MemoryError()
+
+    with pytest.raises(MemoryError):
+        fails()
+    assert "out of memory on cpu" in capsys.readouterr().err
+
+
+def test_other_errors_pass_through_silently() -> None:
+    out = io.StringIO()
+    with pytest.raises(ValueError), dk.oom_guard(file=out):
+        raise ValueError("not memory")
+    assert out.getvalue() == ""
+
+
+def test_fragmentation_advice_when_expandable_segments_is_already_on(simulate, monkeypatch) -> None:
+    simulate([h100()])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    guard = dk.oom_guard(reraise=False, file=io.StringIO(), usage=fake_usage())
+    with guard:
+        raise torch.OutOfMemoryError(NEW_FORMAT)
+    fragmentation = [fix for fix in guard.diagnosis.fixes if "fragmentation" in fix]
+    assert fragmentation and "already on" in fragmentation[0]
+
+
+def test_oversized_single_allocation_is_the_first_fix(simulate) -> None:
+    simulate([h100()])
+    message = NEW_FORMAT.replace("Tried to allocate 20.00 MiB", "Tried to allocate 120.00 GiB")
+    diagnosis = dk.oom_guard(reraise=False, file=io.StringIO(), usage=fake_usage())
+    with diagnosis:
+        raise torch.OutOfMemoryError(message)
+    assert diagnosis.diagnosis.fixes[0].startswith("one allocation of 120 GiB is larger than")
+
+
+def test_install_oom_handler_chains_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: seen.append(type(e).__name__))
+    out = io.StringIO()
+    uninstall = dk.install_oom_handler(file=out)
+    assert dk.install_oom_handler() is uninstall
+    try:
+        raise RuntimeError(CPU_MESSAGE)
+    except RuntimeError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    uninstall()
+    assert seen == ["RuntimeError"]
+    assert "out of memory on cpu" in out.getvalue()
+    assert sys.excepthook.__name__ == "<lambda>"
