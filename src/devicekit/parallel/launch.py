@@ -46,6 +46,8 @@ __all__ = ["launch", "free_port", "STOP_GRACE_SECONDS"]
 
 #: after SIGTERM, how long a rank may take to exit before it is killed
 STOP_GRACE_SECONDS = 3.0
+#: ranks that have not started (interpreter up, function unpickled) by then count as hung
+STARTUP_SECONDS = 120.0
 #: after asking for stacks, how long to wait for ranks to write them
 STACK_WAIT_SECONDS = 1.0
 
@@ -117,6 +119,7 @@ class _Job:
         self.procs: list[Any] = []
         self.conns: dict[Any, int] = {}
         self.results: dict[int, Any] = {}
+        self.ready: set[int] = set()
 
     def variables(self, rank: int, port: int) -> dict[str, str]:
         world = str(self.world)
@@ -161,27 +164,48 @@ class _Job:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def supervise(self) -> None:
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        """Wait for every rank's result; fail fast on an error or a death; fire the watchdog.
+
+        The ``timeout`` clock starts once every rank has started (its interpreter and imports
+        are up), so a slow machine does not count against the job; ranks that do not even start
+        within ``max(timeout, STARTUP_SECONDS)`` are reported as hung too.
+        """
+        start = time.monotonic()
+        startup_deadline = start + max(self.timeout or 0.0, STARTUP_SECONDS)
+        deadline: float | None = None
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         open_conns = dict(self.conns)
         while len(self.results) < self.world:
-            left = None if deadline is None else deadline - time.monotonic()
+            if self.timeout is None:
+                limit = None
+            elif len(self.ready) < self.world:
+                limit = startup_deadline
+            else:
+                deadline = deadline or time.monotonic() + self.timeout
+                limit = deadline
+            left = None if limit is None else limit - time.monotonic()
             if left is not None and left <= 0:
-                self.hang()
+                self.hang(started=deadline is not None)
             ready = wait_for(list(open_conns) + list(sentinels), timeout=left)
             for item in ready:
                 if item in open_conns:
-                    rank = open_conns.pop(item)
+                    rank = open_conns[item]
                     try:
                         message = item.recv()
                     except (EOFError, OSError):
+                        open_conns.pop(item)
                         continue  # died before reporting: the sentinel tells how
+                    if message[0] != "ready":
+                        open_conns.pop(item)
                     self.receive(rank, message)
                 elif item in sentinels:
                     rank = sentinels.pop(item)
                     self.reap(rank, open_conns)
 
     def receive(self, rank: int, message: tuple[Any, ...]) -> None:
+        if message[0] == "ready":
+            self.ready.add(rank)
+            return
         if message[0] == "ok":
             self.results[rank] = message[1]
             return
@@ -191,12 +215,13 @@ class _Job:
     def reap(self, rank: int, open_conns: dict[Any, int]) -> None:
         """A rank exited: collect a result still in its pipe, or report how it died."""
         for conn, owner in list(open_conns.items()):
-            if owner == rank and conn.poll(0):
-                open_conns.pop(conn)
+            while owner == rank and rank not in self.results and conn.poll(0):
                 try:
                     self.receive(rank, conn.recv())
                 except (EOFError, OSError):
                     break
+            if owner == rank:
+                open_conns.pop(conn)
         if rank in self.results:
             return
         code = self.procs[rank].exitcode
@@ -205,8 +230,10 @@ class _Job:
             how = f"signal {signal.Signals(-code).name}"
         raise RankFailedError(f"rank {rank} of {self.world} died with {how} before returning", rank)
 
-    def hang(self) -> None:
+    def hang(self, started: bool) -> None:
         stuck = [rank for rank in range(self.world) if rank not in self.results]
+        if not started:
+            stuck = [rank for rank in stuck if rank not in self.ready] or stuck
         for rank in stuck:
             proc = self.procs[rank]
             if proc.is_alive() and proc.pid is not None:
@@ -224,8 +251,10 @@ class _Job:
         where = "".join(
             f"; rank {r} at {_innermost_frame(stacks[r])}" for r in culprits if _innermost_frame(stacks[r])
         )
+        what = f"did not finish within {self.timeout:g} s" if started else (
+            f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s")
         message = (
-            f"rank(s) {culprits} did not finish within {self.timeout:g} s{where}{detail};"
+            f"rank(s) {culprits} {what}{where}{detail};"
             " their Python stacks are in RankHangError.stacks"
         )
         raise RankHangError(message, culprits, stacks)

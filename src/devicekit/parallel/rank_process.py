@@ -5,7 +5,8 @@ plus a thread watching the parent's pid everywhere), so no rank is ever orphaned
 ``faulthandler`` on SIGUSR1 so the parent's hang watchdog can ask for every thread's Python
 stack; it sets its rank variables (and CUDA_VISIBLE_DEVICES) *before* unpickling the user's
 function, so CUDA sees only this rank's GPU(s); then it optionally joins the process group,
-runs the function and sends ``("ok", value)`` or ``("error", summary, traceback)`` back.
+sends ``("ready",)``, runs the function and sends ``("ok", value)`` or
+``("error", summary, traceback)`` back.
 
 Usage (internal; ``dk.launch`` starts it through multiprocessing's spawn context)::
 
@@ -69,6 +70,9 @@ def rank_main(
     rank = int(variables.get("RANK", "0"))
     try:
         fn, args, kwargs = pickle.loads(payload)
+        if backend is not None:
+            import torch.distributed  # noqa: F401 - slow on a busy machine; not the job's time
+        conn.send(("ready",))  # started: the hang watchdog's clock runs from here
         if backend is not None:
             from devicekit.parallel import dist
 
