@@ -21,7 +21,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["TrainResult", "train", "main"]
+__all__ = ["TrainResult", "train", "main", "SECONDS_ENV"]
+
+#: default for --seconds (lets CI make `devicekit run` with no command quicker)
+SECONDS_ENV = "DEVICEKIT_EXAMPLE_SECONDS"
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     from devicekit.units import format_size
 
     parser = argparse.ArgumentParser(prog="python -m devicekit.examples", description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="train this long (default 3)")
+    default_seconds = float(os.environ.get(SECONDS_ENV, "3") or 3)
+    parser.add_argument("--seconds", type=float, default=default_seconds,
+                        help=f"train this long (default 3, or ${SECONDS_ENV})")
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--width", type=int, default=128)

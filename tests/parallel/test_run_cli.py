@@ -1,0 +1,136 @@
+"""``devicekit run`` end to end on the CPU: exit codes, signals, two nodes, the example."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from devicekit.parallel.launch import free_port
+
+from .conftest import child_env, devicekit_command
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(devicekit_command("run", *args), env=child_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_exit_code_passes_through_and_cpu_is_announced() -> None:
+    done = run_cli("--", sys.executable, "-c", "import sys; print('child ran'); sys.exit(3)")
+    assert done.returncode == 3
+    assert "child ran" in done.stdout
+    assert "no GPU" in done.stderr and "CPU" in done.stderr
+
+
+def test_child_killed_by_signal_gives_128_plus_n() -> None:
+    done = run_cli("--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    assert done.returncode == 128 + signal.SIGTERM
+
+
+def test_missing_command_is_one_line() -> None:
+    done = run_cli("--", "/nonexistent/tool")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("devicekit: cannot start '/nonexistent/tool'")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gpus", "2"], "no GPU"),
+        (["--nnodes", "2", "--node-rank", "0"], "--master-addr"),
+        (["--nnodes", "2", "--node-rank", "5", "--master-addr", "h"], "--node-rank 5"),
+        (["--gpus", "many"], "'many'"),
+    ],
+)
+def test_bad_flags_are_one_line(args: list[str], needle: str) -> None:
+    done = run_cli(*args, "--", sys.executable, "-c", "pass")
+    assert done.returncode != 0
+    assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    proc = subprocess.Popen(devicekit_command("run", "--", sys.executable, "-c", script),
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGINT
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+NODE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, devicekit as dk
+    from torch import nn
+    device = dk.dist.init(timeout=60)
+    facts = dk.dist.env()
+    torch.manual_seed(facts.rank)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(5, 3)
+        opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    params = ",".join(f"{v:.8f}" for v in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())
+    open(sys.argv[1] + f"/rank{facts.rank}.txt", "w").write(
+        f"{facts.source} {facts.rank} {facts.world_size} {facts.node_rank} {facts.nnodes} {params}")
+    dk.dist.destroy()
+    """
+)
+
+
+def test_two_nodes_rendezvous_on_loopback(tmp_path: Path, no_leftover_children: None) -> None:
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            devicekit_command("run", "--procs", "1", "--nnodes", "2", "--node-rank", str(rank),
+                              "--master-addr", "127.0.0.1", "--master-port", port, "--",
+                              sys.executable, str(script), str(tmp_path)),
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "loopback" in outputs[0][1]
+    lines = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert lines[0][:5] == ["torchrun", "0", "2", "0", "2"]
+    assert lines[1][:5] == ["torchrun", "1", "2", "1", "2"]
+    assert lines[0][5] == lines[1][5]  # identical parameters after DDP training
+
+
+def test_no_command_runs_the_example_on_cpu() -> None:
+    done = run_cli(timeout=90, DEVICEKIT_EXAMPLE_SECONDS="0.5")
+    assert done.returncode == 0, done.stderr
+    assert "device: cpu" in done.stdout
+    assert "steps/s" in done.stdout and "peak process memory" in done.stdout
+    assert "final loss" in done.stdout
+    assert "running 1 CPU process" in done.stderr
