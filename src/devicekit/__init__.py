@@ -58,6 +58,10 @@ _EXPORTS: dict[str, str] = {
     # choosing devices
     "select_gpus": "devicekit.hardware.selection:select_gpus",
     "Selection": "devicekit.hardware.selection:Selection",
+    "Lease": "devicekit.hardware.leases:Lease",
+    "LeaseRecord": "devicekit.hardware.leases:LeaseRecord",
+    "read_leases": "devicekit.hardware.leases:read_leases",
+    "visible_devices": "devicekit.hardware.visible:visible_devices",
     "try_gpu": "devicekit.placement.devices:try_gpu",
     "try_all_gpus": "devicekit.placement.devices:try_all_gpus",
     "as_device": "devicekit.placement.devices:as_device",

@@ -1,0 +1,388 @@
+"""Choose free GPUs and lease them in one atomic step: ``select_gpus``.
+
+Filters (free memory, utilization, ``exclude``, leases, ``CUDA_VISIBLE_DEVICES``), orders the
+survivors, and leases the best ``count`` under the lease directory's lock, so two jobs started
+at the same instant never get the same GPU. Every GPU not chosen gets one line in
+``Selection.rejected`` saying why. Too few: :class:`~devicekit.errors.NoDeviceAvailable` with
+those lines, or with ``wait=`` poll until enough free up, or with ``fallback="cpu"`` a CPU
+selection.
+
+Devices rule: ``Selection.devices`` are ordinals *in this process's view*, resolved when you read
+them. Set ``os.environ["CUDA_VISIBLE_DEVICES"] = sel.cuda_visible_devices`` before torch touches
+CUDA and they are ``cuda:0..n-1``; leave it alone and they are the chosen GPUs' positions among
+the GPUs already visible; if CUDA is already initialised they are matched by UUID.
+
+Usage::
+
+    import devicekit as dk
+
+    with dk.select_gpus(2, min_free_memory="20GiB", wait=600) as sel:
+        print(sel.cuda_visible_devices, sel.rejected)
+        model = model.to(sel.devices[0])
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from devicekit.errors import InvalidValueError, NoDeviceAvailable
+from devicekit.hardware import inventory
+from devicekit.hardware.gpu import GPU
+from devicekit.hardware.leases import Lease, LeaseRecord, directory_lock, read_leases
+from devicekit.hardware.visible import (
+    ORDER_ENV,
+    VISIBLE_ENV,
+    torch_ordinal,
+    visible_devices,
+    visible_value,
+)
+from devicekit.hardware.waiting import WaitDisplay
+from devicekit.units import format_size, parse_percent, parse_size
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ORDERS", "Selection", "select_gpus", "Candidate", "assess"]
+
+ORDERS = ("free-memory", "utilization", "index", "random")
+FORMATS = ("uuid", "index")
+
+
+@dataclass
+class Selection:
+    """The GPUs chosen by :func:`select_gpus`, their lease, and why the others were not chosen."""
+
+    gpus: list[GPU]
+    rejected: list[str] = field(default_factory=list)
+    lease: Lease | None = None
+    #: True when too few GPUs were free and ``fallback="cpu"`` gave the CPU instead
+    cpu_fallback: bool = False
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """``torch.device``\\ s for the chosen GPUs as *this* process numbers them (see module doc)."""
+        import torch
+
+        if self.cpu_fallback:
+            return [torch.device("cpu")]
+        return [torch.device("cuda", torch_ordinal(gpu)) for gpu in self.gpus]
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """Value for ``CUDA_VISIBLE_DEVICES`` naming the chosen GPUs by UUID (``""``: none)."""
+        return visible_value(self.gpus, "uuid")
+
+    def visible_devices_value(self, fmt: str = "uuid") -> str:
+        """``CUDA_VISIBLE_DEVICES`` value as UUIDs (``"uuid"``) or NVML indices (``"index"``)."""
+        if fmt not in FORMATS:
+            raise InvalidValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+        return visible_value(self.gpus, fmt)
+
+    def to_env(self, fmt: str = "uuid") -> dict[str, str]:
+        """Variables to set for a child so that its ``cuda:0..n-1`` are the chosen GPUs."""
+        env = {VISIBLE_ENV: self.visible_devices_value(fmt)}
+        if fmt == "index":
+            env[ORDER_ENV] = "PCI_BUS_ID"  # NVML indices are PCI bus order
+        return env
+
+    def release(self) -> None:
+        """Release the lease (if any). Safe to call twice."""
+        if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> Selection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        what = "cpu" if self.cpu_fallback else ", ".join(f"GPU {g.index}" for g in self.gpus)
+        leased = "leased" if self.lease is not None and not self.lease.released else "not leased"
+        return f"Selection([{what}], {leased}, {len(self.rejected)} rejected)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One GPU as selection judged it: ``available`` bytes and the reasons it cannot be used."""
+
+    gpu: GPU
+    available: int
+    reasons: tuple[str, ...]
+
+    @property
+    def eligible(self) -> bool:
+        return not self.reasons
+
+    def line(self) -> str:
+        return f"GPU {self.gpu.index}: {'; '.join(self.reasons)}"
+
+
+@dataclass(frozen=True)
+class _Request:
+    count: int | None  # None: all eligible
+    min_free: int | None
+    max_util: float | None
+    exclude: tuple[str, ...]
+    order: str
+    account_as_free: frozenset[str]
+    share: bool
+
+
+def _check_count(count: Any) -> int | None:
+    if count == "all":
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InvalidValueError(f"count {count!r} must be a whole number of GPUs >= 1 (or 'all')")
+    return count
+
+
+def _parse_exclude(exclude: Any) -> tuple[str, ...]:
+    items: Iterable[Any] = [exclude] if isinstance(exclude, (str, int)) else exclude
+    out = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)) or str(item).strip() == "":
+            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index or UUID")
+        if isinstance(item, int) and item < 0:
+            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index (indices start at 0)")
+        out.extend(part.strip() for part in str(item).split(",") if part.strip())
+    return tuple(out)
+
+
+def _excluded(gpus: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
+    """UUIDs of the GPUs ``exclude`` names; an entry naming no GPU is an error (a typo)."""
+    chosen: set[str] = set()
+    for entry in exclude:
+        if entry.isdigit():
+            found = [g for g in gpus if g.index == int(entry)]
+        else:
+            found = [g for g in gpus if g.uuid.lower().startswith(entry.lower())
+                     or g.short_uuid.lower() == entry.lower()]
+        if len(found) != 1:
+            why = "matches several GPUs" if found else "matches no GPU"
+            raise InvalidValueError(
+                f"exclude entry {entry!r} {why}; use an index or UUID from 'devicekit status'"
+            )
+        chosen.add(found[0].uuid)
+    return chosen
+
+
+def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request,
+           visible: set[str], visible_note: str,
+           holder_pids: dict[int, set[int]] | None = None) -> list[Candidate]:
+    """Judge every GPU against the request (pure: no I/O), in NVML order.
+
+    ``holder_pids`` maps a lease's pid to the pids that use memory on its behalf (itself and
+    its descendants, e.g. the command ``devicekit run`` started).
+    """
+    holder_pids = holder_pids or {}
+    excluded = _excluded(gpus, request.exclude)
+    out = []
+    for gpu in gpus:
+        reasons: list[str] = []
+        mine = [r for r in leases if r.gpu_uuid == gpu.uuid]
+        available = gpu.memory_free + sum(
+            p.memory or 0 for p in gpu.processes if p.user in request.account_as_free)
+        available = min(available, gpu.memory_total)
+        if gpu.uuid not in visible:
+            reasons.append(f"hidden by {visible_note}")
+        if gpu.uuid in excluded:
+            reasons.append("excluded")
+        if gpu.mig_enabled:
+            reasons.append("in MIG mode (use a MIG- UUID in CUDA_VISIBLE_DEVICES)")
+        if gpu.compute_mode == "prohibited":
+            reasons.append("compute mode is prohibited")
+        elif gpu.compute_mode == "exclusive_process" and gpu.processes:
+            reasons.append(f"compute mode is exclusive_process and pid {gpu.processes[0].pid} uses it")
+        exclusive = [r for r in mine if not r.share]
+        if exclusive:
+            reasons.append(exclusive[0].describe())
+        elif mine and not request.share:
+            reasons.append(f"shared by {len(mine)} lease(s): {mine[0].describe()}")
+        elif mine:
+            # share leases budget memory: what each holder asked minus what it already uses
+            available -= sum(max((r.memory or 0) - _used_by(gpu, holder_pids.get(r.pid, {r.pid})), 0)
+                             for r in mine)
+        if request.min_free is not None and available < request.min_free:
+            what = "free" if not mine else "free after shared leases"
+            reasons.append(f"{format_size(max(available, 0))} {what} < "
+                           f"{format_size(request.min_free)} asked")
+        if (request.max_util is not None and gpu.utilization is not None
+                and gpu.utilization > request.max_util):
+            reasons.append(f"utilization {gpu.utilization:g}% > {request.max_util:g}% asked")
+        out.append(Candidate(gpu, available, tuple(reasons)))
+    return out
+
+
+def _used_by(gpu: GPU, pids: set[int]) -> int:
+    """GPU memory that the processes ``pids`` hold on ``gpu``."""
+    return sum(p.memory or 0 for p in gpu.processes if p.pid in pids)
+
+
+def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
+    if order == "free-memory":
+        return sorted(eligible, key=lambda c: (-c.available, c.gpu.index))
+    if order == "utilization":
+        return sorted(eligible, key=lambda c: (c.gpu.utilization or 0.0, -c.available, c.gpu.index))
+    if order == "random":
+        import random  # imported here: it costs the CLI's cold start a few ms
+
+        shuffled = list(eligible)
+        random.shuffle(shuffled)
+        return shuffled
+    return sorted(eligible, key=lambda c: c.gpu.index)
+
+
+def _attempt(request: _Request, lease: bool, command: str | None
+             ) -> tuple[Selection | None, list[Candidate], str]:
+    """One snapshot: choose and (under the directory lock) reserve, or report why not."""
+    gpus = inventory.gpus()
+    visible = {d.gpu.uuid for d in visible_devices(gpus) if d.mig is None}
+    note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
+    if not lease:
+        held = read_leases()
+        candidates = assess(gpus, held, request, visible, note, _holder_pids(held))
+        chosen = _choose(candidates, request)
+        return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
+                if chosen else None), candidates, _no_gpu_reason(gpus)
+    with directory_lock() as path:
+        live = read_leases(path, cleanup=True)
+        candidates = assess(gpus, live, request, visible, note, _holder_pids(live))
+        chosen = _choose(candidates, request)
+        if not chosen:
+            return None, candidates, _no_gpu_reason(gpus)
+        held = Lease.reserve(path, [c.gpu.uuid for c in chosen],
+                             memory=request.min_free, share=request.share, command=command)
+    return Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request), held), \
+        candidates, ""
+
+
+def _holder_pids(leases: Sequence[LeaseRecord]) -> dict[int, set[int]]:
+    """For share leases held on this host: the holder's pid and all its descendants' pids."""
+    here = os.uname().nodename
+    pids = {r.pid for r in leases if r.share and r.host == here}
+    if not pids:
+        return {}
+    import psutil
+
+    out: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            out[pid] = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.Error:
+            out[pid] = {pid}
+    return out
+
+
+def _choose(candidates: list[Candidate], request: _Request) -> list[Candidate]:
+    eligible = _ordered([c for c in candidates if c.eligible], request.order)
+    if request.count is None:
+        return eligible
+    return eligible[: request.count] if len(eligible) >= request.count else []
+
+
+def _rejected(candidates: list[Candidate], chosen: list[Candidate], request: _Request) -> list[str]:
+    picked = {c.gpu.uuid for c in chosen}
+    lines = []
+    for c in candidates:
+        if c.gpu.uuid in picked:
+            continue
+        if c.eligible:
+            lines.append(f"GPU {c.gpu.index}: eligible but not needed "
+                         f"({request.count} asked, order {request.order})")
+        else:
+            lines.append(c.line())
+    return lines
+
+
+def _no_gpu_reason(gpus: Sequence[GPU]) -> str:
+    if gpus:
+        return ""
+    reason = getattr(inventory.backend(), "reason", None)
+    return f"no GPUs found ({reason})" if reason else "no GPUs found"
+
+
+def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = None,
+                max_utilization: float | str | None = None,
+                exclude: Iterable[int | str] | int | str = (), order: str = "free-memory",
+                wait: float | None = None, lease: bool = True, fallback: str | None = None,
+                account_as_free: Iterable[str] | str = (), share: bool = False,
+                poll_interval: float = 1.0, progress: bool | None = None,
+                command: str | None = None) -> Selection:
+    """Choose ``count`` GPUs (``"all"``: every eligible one) and lease them.
+
+    ``min_free_memory``: a size (``"20GiB"``) each GPU must have free; with ``share=True`` it is
+    also the memory budget this lease claims, and several share leases may sit on one GPU while
+    their budgets fit. ``max_utilization``: percent busy at most. ``exclude``: indices or UUIDs.
+    ``order``: ``"free-memory"`` (most first), ``"utilization"`` (idlest first), ``"index"`` or
+    ``"random"``. ``account_as_free``: users whose processes' GPU memory counts as free (your own
+    idle notebook). ``wait``: seconds to poll (every ``poll_interval`` s, with a progress line on
+    a terminal when ``progress`` is None) for enough GPUs. ``lease=False``: choose without
+    reserving (still skips leased GPUs). ``fallback="cpu"``: return a CPU selection instead of
+    raising :class:`~devicekit.errors.NoDeviceAvailable`. ``command``: recorded in the lease.
+    """
+    request = _make_request(count, min_free_memory, max_utilization, exclude, order,
+                            account_as_free, share)
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                             or not math.isfinite(wait) or wait < 0):
+        raise InvalidValueError(f"wait {wait!r} must be a number of seconds >= 0")
+    if fallback not in (None, "cpu"):
+        raise InvalidValueError(f"fallback {fallback!r} must be None or 'cpu'")
+    if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) \
+            or not poll_interval > 0:
+        raise InvalidValueError(f"poll_interval {poll_interval!r} must be a number of seconds > 0")
+    start = time.monotonic()
+    deadline = start + (wait or 0.0)
+    display: WaitDisplay | None = None
+    try:
+        while True:
+            selection, candidates, empty = _attempt(request, lease, command)
+            if selection is not None:
+                return selection
+            now = time.monotonic()
+            if wait is None or now >= deadline:
+                break
+            if display is None:
+                display = WaitDisplay(request.count, wait, enabled=progress)
+            display.update(candidates, deadline - now)
+            time.sleep(min(poll_interval, max(deadline - now, 0.0)))
+    finally:
+        if display is not None:
+            display.close()
+    reasons = [empty] if empty else [c.line() for c in candidates if not c.eligible]
+    eligible = sum(c.eligible for c in candidates)
+    asked = "at least 1" if request.count is None else str(request.count)
+    waited = f" after waiting {wait:g} s" if wait else ""
+    message = f"need {asked} GPU(s), {eligible} eligible{waited}: {'; '.join(reasons)}"
+    if fallback == "cpu":
+        return Selection([], [*reasons, f"falling back to cpu: {message}"], None, cpu_fallback=True)
+    hint = ""
+    if candidates:
+        hint = "; wait longer or relax the limits" if wait else \
+            "; wait for GPUs with wait=SECONDS (--wait) or relax the limits"
+    raise NoDeviceAvailable(message + hint, reasons)
+
+
+def _make_request(count: Any, min_free_memory: Any, max_utilization: Any, exclude: Any,
+                  order: Any, account_as_free: Any, share: bool) -> _Request:
+    n = _check_count(count)
+    min_free = (parse_size(min_free_memory, name="min_free_memory")
+                if min_free_memory is not None else None)
+    max_util = (parse_percent(max_utilization, name="max_utilization")
+                if max_utilization is not None else None)
+    if order not in ORDERS:
+        raise InvalidValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
+    users = [account_as_free] if isinstance(account_as_free, str) else list(account_as_free)
+    if not all(isinstance(u, str) and u for u in users):
+        raise InvalidValueError(f"account_as_free {account_as_free!r} must be user names")
+    if share and min_free is None:
+        raise InvalidValueError(
+            "share=True needs min_free_memory: the memory budget this job claims on a shared GPU"
+        )
+    return _Request(n, min_free, max_util, _parse_exclude(exclude), order, frozenset(users),
+                    bool(share))

@@ -1,0 +1,126 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import devicekit as dk
+from devicekit.cli.main import main
+from devicekit.hardware.leases import Lease, read_leases
+from tests.conftest import h100
+
+SRC = str(Path(dk.__file__).parents[1])
+ALICE = {"pid": 4242, "user": "alice", "memory": "70GiB", "command": "python train.py"}
+
+
+@pytest.fixture
+def three(simulate):
+    simulate([h100(used="70GiB", processes=[ALICE]), h100(), h100(used="10GiB", util=90)])
+    return dk.gpus()
+
+
+def run_cli(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["select", *args])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_prints_only_the_value_on_stdout(three, capsys):
+    code, out, err = run_cli(capsys, "-n", "2")
+    assert code == 0
+    assert out == f"{three[1].uuid},{three[2].uuid}\n"
+    assert "chose GPU 1 (80 GiB free), GPU 2 (70 GiB free)" in err
+    assert "GPU 0: eligible but not needed" in err
+
+
+def test_filters_and_exclude(three, capsys):
+    code, out, _ = run_cli(capsys, "--min-free", "20GiB", "--max-util", "50", "--exclude", "1")
+    assert code == 3 and out == ""
+    code, out, _ = run_cli(capsys, "--exclude", "1,2", "--account-as-free", "alice",
+                           "--min-free", "79GiB", "-q")
+    assert code == 0 and out.strip() == three[0].uuid
+
+
+def test_index_format_advises_pci_bus_order(three, capsys):
+    code, out, err = run_cli(capsys, "--format", "index", "--order", "index")
+    assert (code, out) == (0, "0\n") and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in err
+
+
+def test_leased_gpus_skipped_and_select_holds_none(three, capsys):
+    with Lease.acquire([three[1].uuid]):
+        code, out, err = run_cli(capsys)
+        assert out.strip() == three[2].uuid and "GPU 1: leased by" in err
+        assert [r.gpu_uuid for r in read_leases()] == [three[1].uuid]  # select leased nothing
+
+
+@pytest.mark.parametrize("args,code,needle", [
+    (["-n", "0"], 1, "count 0"),
+    (["-n", "-3"], 1, "count -3"),
+    (["-n", "two"], 1, "'two' is not a whole number"),
+    (["--min-free", "10XB"], 1, "--min-free '10XB'"),
+    (["--max-util", "150"], 1, "--max-util '150'"),
+    (["--order", "fast"], 1, "'fast' is not one of"),
+    (["--exclude", "7"], 1, "exclude entry '7'"),
+    (["--wait", "-1"], 1, "--wait"),
+    (["--share"], 1, "--share needs --min-free"),
+    (["-n", "5"], 3, "need 5 GPU(s), 3 eligible"),
+])
+def test_errors_one_line_and_exit_codes(three, capsys, args, code, needle):
+    got, out, err = run_cli(capsys, *args)
+    assert got == code and out == ""
+    assert err.startswith("devicekit: ") and err.count("\n") == 1 and needle in err
+
+
+def test_garbage_visible_devices_exit_1(three, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,banana")
+    code, _, err = run_cli(capsys)
+    assert code == 1 and "'banana'" in err and "silently" in err
+
+
+def test_broken_simulation_file_exit_1(simulate, capsys):
+    path = simulate([h100()])
+    path.write_text("{not json")
+    code, _, err = run_cli(capsys)
+    assert code == 1 and str(path) in err
+
+
+def test_driver_failure_exit_2(three, capsys, monkeypatch):
+    from devicekit.errors import BackendError
+    from devicekit.hardware import inventory
+
+    def broken():
+        raise BackendError("NVML call nvmlDeviceGetCount failed: Unknown Error; check the driver")
+
+    monkeypatch.setattr(inventory, "gpus", broken)
+    code, _, err = run_cli(capsys)
+    assert code == 2 and "NVML" in err
+
+
+def test_help_says_no_lease_and_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["select", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cannot hold a lease" in out and "devicekit run" in out and "dk.select_gpus" in out
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in out
+    assert "0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs" in out
+
+
+def test_shell_substitution_without_torch(three, tmp_path):
+    """The real thing: $(devicekit select) in a shell, and no torch import on that path."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, sys\nprint(os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    script = (f'CUDA_VISIBLE_DEVICES=$("{sys.executable}" -m devicekit select -n 2 -q) '
+              f'"{sys.executable}" "{probe}"')
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{three[1].uuid},{three[2].uuid}"
+    check = ("import sys\nfrom devicekit.cli.main import main\n"
+             "try:\n    main(['select', '-q'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == three[1].uuid and done.stderr.strip() == "False"

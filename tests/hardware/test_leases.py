@@ -1,0 +1,240 @@
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from devicekit.errors import LeaseError
+from devicekit.hardware.leases import Lease, LeaseRecord, directory_lock, lease_dir, read_leases
+from tests.hardware.conftest import child_env, wait_line
+
+HOLD = """
+import time
+from devicekit.hardware.leases import Lease
+lease = Lease.acquire([{uuid!r}], memory=2**30, command="python train.py")
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_acquire_read_release():
+    lease = Lease.acquire(["GPU-aaa", "GPU-bbb"], memory=5 * 2**30, command="python train.py")
+    live = read_leases()
+    assert [r.gpu_uuid for r in live] == ["GPU-aaa", "GPU-bbb"]
+    record = live[0]
+    assert record.pid == os.getpid() and record.command == "python train.py"
+    assert record.memory == 5 * 2**30 and record.share is False and record.host
+    assert "leased by" in record.describe() and "python train.py" in record.describe()
+    assert len(lease.fds) == 2 and not any(os.get_inheritable(fd) for fd in lease.fds)
+    lease.release()
+    lease.release()  # idempotent
+    assert read_leases() == []
+    assert [n for n in os.listdir(lease_dir()) if not n.startswith(".")] == []
+
+
+def test_context_manager_and_json_content():
+    with Lease.acquire(["GPU-ccc"], share=True, memory=123) as lease:
+        (name,) = [n for n in os.listdir(lease_dir()) if n.endswith(".lease")]
+        data = json.loads((lease_dir() / name).read_text())
+        assert {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share"} <= set(data)
+        assert data["share"] is True and data["memory"] == 123
+        assert stat.S_IMODE((lease_dir() / name).stat().st_mode) == 0o644
+    assert lease.released and read_leases() == []
+
+
+def test_exclusive_conflicts_and_share_coexists():
+    with Lease.acquire(["GPU-x"]):
+        with pytest.raises(LeaseError, match="GPU-x is already leased by"):
+            Lease.acquire(["GPU-x"], share=True)
+    with Lease.acquire(["GPU-y"], share=True, memory=1), Lease.acquire(["GPU-y"], share=True, memory=2):
+        assert len(read_leases()) == 2
+        with pytest.raises(LeaseError, match="already shared by"):
+            Lease.acquire(["GPU-y"])
+
+
+def test_sigkilled_holder_frees_gpu_at_once(spawn):
+    proc = spawn(HOLD.format(uuid="GPU-kill"))
+    assert wait_line(proc) == "ready"
+    (record,) = read_leases()
+    assert record.pid == proc.pid and record.command == "python train.py"
+    with pytest.raises(LeaseError):
+        Lease.acquire(["GPU-kill"])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert read_leases() == []  # free at once: no timeout, no pid polling
+    with directory_lock() as path:
+        read_leases(path, cleanup=True)
+    assert [n for n in os.listdir(lease_dir()) if n.endswith(".lease")] == []  # stale file cleaned
+    with Lease.acquire(["GPU-kill"]):
+        pass
+
+
+def test_lease_lives_while_a_child_holds_passed_fds(spawn):
+    code = """
+import subprocess, sys, time
+from devicekit.hardware.leases import Lease
+lease = Lease.acquire(["GPU-run"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=lease.fds)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+    proc = spawn(code)
+    grandchild = int(wait_line(proc))
+    try:
+        proc.send_signal(signal.SIGKILL)  # the holder dies; the child it handed the fds to lives
+        proc.wait(timeout=10)
+        assert [r.gpu_uuid for r in read_leases()] == ["GPU-run"]
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while read_leases() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the grandchild is reaped by init; its fds close when it dies
+    assert read_leases() == []
+
+
+def test_user_comes_from_file_owner_not_content():
+    import fcntl
+
+    path = lease_dir() / "GPU-f.1.abc.lease"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        forged = LeaseRecord("GPU-f", 1, "somebody-else", "h", "x", time.time(), None, False)
+        os.write(fd, forged.to_json().encode())
+        (record,) = read_leases()
+        assert record.user != "somebody-else"
+    finally:
+        os.close(fd)
+
+
+def test_stale_and_garbage_files_are_ignored():
+    directory = lease_dir()
+    (directory / "GPU-s.99.dead.lease").write_text(json.dumps({"gpu_uuid": "GPU-s", "pid": 99}))
+    (directory / "notes.txt").write_text("hello")
+    os.symlink("/etc/passwd", directory / "GPU-l.1.x.lease")
+    assert read_leases() == []
+    with directory_lock() as path:
+        assert read_leases(path, cleanup=True) == []
+    assert not (directory / "GPU-s.99.dead.lease").exists()
+
+
+def test_lease_dir_created_sticky_world_writable(tmp_path, monkeypatch):
+    target = tmp_path / "leases"
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(target))
+    old = os.umask(0o077)
+    try:
+        assert lease_dir() == target
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o1777
+
+
+def test_lease_dir_refuses_symlink(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path / "link"))
+    with pytest.raises(LeaseError, match=r"link'.* is a symlink"):
+        lease_dir()
+
+
+def test_lease_dir_refuses_file_and_unsticky(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path / "file"))
+    with pytest.raises(LeaseError, match="not a directory"):
+        lease_dir()
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(loose))
+    with pytest.raises(LeaseError, match=r"chmod \+t"):
+        lease_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a directory to another user")
+def test_lease_dir_refuses_other_users_directory(tmp_path, monkeypatch):
+    other = tmp_path / "other"
+    other.mkdir(mode=0o1777)
+    os.chown(other, 54321, 54321)
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(other))
+    with pytest.raises(LeaseError, match="owned by 54321"):
+        lease_dir()
+
+
+def test_symlinked_lock_file_refused():
+    os.symlink("/etc/hostname", lease_dir() / ".lock")
+    with pytest.raises(LeaseError, match=r"\.lock"):
+        with directory_lock():
+            pass
+
+
+def test_leases_work_across_processes_with_env_dir(tmp_path):
+    env = child_env(DEVICEKIT_LEASE_DIR=str(tmp_path / "shared"))
+    code = "from devicekit.hardware.leases import read_leases; print(len(read_leases()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert out.strip() == "0"
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o1777
+
+
+OTHER_USER = """
+import json, os, sys, time
+from devicekit.errors import LeaseError
+from devicekit.hardware.leases import Lease, lease_dir, read_leases
+os.setgid(65534)
+os.setuid(65534)  # from here on this process is another, unprivileged user
+out = {"seen": [(r.gpu_uuid, r.user) for r in read_leases()]}
+theirs = [n for n in os.listdir(lease_dir()) if n.endswith(".lease")][0]
+try:
+    os.unlink(lease_dir() / theirs)
+    out["unlink"] = "deleted"
+except PermissionError:
+    out["unlink"] = "refused"
+try:
+    Lease.acquire(["GPU-root"])
+    out["hijack"] = "taken"
+except LeaseError:
+    out["hijack"] = "refused"
+mine = Lease.acquire(["GPU-other"])
+print(json.dumps(out), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
+def test_two_users_share_a_root_owned_directory(spawn, monkeypatch):
+    import pwd
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
+    try:
+        os.chmod(directory, 0o1777)
+        monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
+        with Lease.acquire(["GPU-root"]):
+            proc = spawn(OTHER_USER)
+            result = json.loads(wait_line(proc, timeout=30))
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            assert result == {"seen": [["GPU-root", me]], "unlink": "refused", "hijack": "refused"}
+            other = pwd.getpwuid(65534).pw_name if _has_uid(65534) else "65534"
+            assert [(r.gpu_uuid, r.user) for r in read_leases()] == [
+                ("GPU-root", me), ("GPU-other", other)]
+            proc.kill()
+            proc.wait(timeout=10)
+            assert [r.gpu_uuid for r in read_leases()] == ["GPU-root"]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _has_uid(uid: int) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
