@@ -83,6 +83,7 @@ def allocate(
     gpus_per_proc: int = 1,
     min_free_memory: int | str | None = None,
     wait: float | None = None,
+    command: str | None = None,
 ) -> Allocation:
     """Decide the processes and lease their GPUs.
 
@@ -90,7 +91,7 @@ def allocate(
     ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
     ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
     GPU and ``gpus`` not given, ``procs`` (default 1) CPU processes; ``gpus`` given but no GPU
-    usable raises :class:`NoDeviceAvailable` listing why.
+    usable raises :class:`NoDeviceAvailable` listing why. ``command`` is recorded in the lease.
     """
     from devicekit.hardware.inventory import backend
     from devicekit.hardware.inventory import gpus as inventory_gpus
@@ -136,7 +137,7 @@ def allocate(
         count = gpus
     else:
         count = (procs or 1) * gpus_per_proc
-    selection = _select(count, gpus_per_proc, min_free_memory, wait, len(present))
+    selection = _select(count, gpus_per_proc, min_free_memory, wait, command)
     chosen = len(selection.gpus)
     nprocs = chosen // gpus_per_proc
     names = ", ".join(f"GPU {g.index} ({g.name}, {_free(g)} free)" for g in selection.gpus)
@@ -144,23 +145,21 @@ def allocate(
     return Allocation(nprocs, gpus_per_proc, selection, reason, list(selection.rejected))
 
 
-def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None, total: int) -> Any:
+def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,
+            command: str | None) -> Any:
     from devicekit.hardware.selection import select_gpus
 
-    kwargs: dict[str, Any] = {"min_free_memory": min_free, "wait": wait, "lease": True}
+    kwargs: dict[str, Any] = {"min_free_memory": min_free, "wait": wait, "lease": True,
+                              "command": command}
     if count is not None:
         return select_gpus(count, **kwargs)
-    # "all": every GPU that passes the filters right now; if none does, wait for one group
-    try:
-        return select_gpus(total - total % per_proc, **{**kwargs, "wait": None})
-    except NoDeviceAvailable as exc:
-        eligible = total - len(exc.reasons)
-        eligible -= eligible % per_proc
-        if eligible >= per_proc:
-            return select_gpus(eligible, **{**kwargs, "wait": None})
-        if wait:
-            return select_gpus(per_proc, **kwargs)
-        raise
+    # "all": every GPU that passes the filters, rounded down to whole processes
+    selection = select_gpus("all", **kwargs)
+    usable = len(selection.gpus) - len(selection.gpus) % per_proc
+    if usable == len(selection.gpus):
+        return selection
+    selection.release()
+    return select_gpus(max(usable, per_proc), **kwargs)
 
 
 def _free(gpu: Any) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         gpus_per_proc=request.gpus_per_proc,
         min_free_memory=request.min_free_memory,
         wait=request.wait,
+        command=shlex.join(request.command) if request.command else "devicekit run (example)",
     )
     try:
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
