@@ -76,6 +76,7 @@ LEASE_PROBE = textwrap.dedent(
     import json, os
     from devicekit.hardware.leases import read_leases
     print(json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                      "ranks": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")],
                       "leased": [r.gpu_uuid for r in read_leases()],
                       "holder": [r.command for r in read_leases()]}))
     raise SystemExit(7)
@@ -90,6 +91,7 @@ def test_run_sets_visible_devices_and_holds_the_lease(four_gpus: Path) -> None:
     seen = json.loads(done.stdout)
     assert seen["visible"] in (UUIDS[0], UUIDS[2], UUIDS[3])
     assert seen["leased"] == [seen["visible"]]
+    assert seen["ranks"] == ["0", "0", "1"]  # torchrun's variables for a world of one
     assert "LEASE_PROBE" not in seen["holder"][0] and "python" in seen["holder"][0]
     assert f"CUDA_VISIBLE_DEVICES={seen['visible']}" in done.stderr
     assert "leased GPU" in done.stderr
@@ -143,3 +145,26 @@ def test_run_busy_gpus_is_a_clear_error(four_gpus: Path) -> None:
                           env=child_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 3
     assert "GPU 1" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_run_waits_for_a_leased_gpu(simulate: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    simulate([h100(uuid=UUIDS[0])])
+    other_job = dk.select_gpus(1)  # someone else holds the only GPU
+    runner = subprocess.Popen(
+        devicekit_command("run", "--gpus", "1", "--wait", "30", "--", sys.executable, "-c",
+                          "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"),
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(2.0)
+        assert runner.poll() is None  # still queued behind the other job
+        other_job.release()
+        out, err = runner.communicate(timeout=30)
+    finally:
+        other_job.release()
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    assert runner.returncode == 0, err
+    assert out.strip() == UUIDS[0]

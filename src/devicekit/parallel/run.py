@@ -1,6 +1,7 @@
 """What ``devicekit run`` does: lease GPUs, build the command line, run it, supervise it.
 
-One process on one node runs the command directly; several processes or nodes run it under
+One process on one node runs the command directly (with torchrun's variables for a world of
+one, so a script written for torchrun runs unchanged); several processes or nodes run it under
 ``python -m torch.distributed.run`` (torchrun), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 
 from devicekit.errors import InvalidValueError
 from devicekit.parallel.allocation import Allocation, allocate
-from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV
+from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
+from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
 
@@ -94,6 +96,8 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             notes.append(f"CUDA_VISIBLE_DEVICES={allocation.cuda_visible_devices}")
         if allocation.nprocs == 1 and request.nnodes == 1:
+            # torchrun's variables for a world of one: a script written for torchrun runs as is
+            env.update(single_process_variables(_free_port()))
             return RunPlan(command, env, allocation, notes)
         addr = request.master_addr or "127.0.0.1"
         port = request.master_port or (DEFAULT_PORT if request.nnodes > 1 else _free_port())
@@ -168,6 +172,16 @@ def execute(plan: RunPlan) -> int:
                         os.killpg(child.pid, signal.SIGKILL)
     _reap_group(child.pid)
     return 128 - code if code < 0 else code
+
+
+def single_process_variables(port: int) -> dict[str, str]:
+    """The variables torchrun sets, for one process on one node (rank 0 of 1)."""
+    return {
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        LAUNCH_MARKER: "1", OWN_DEVICES_ENV: "1",
+    }
 
 
 def _check_nodes(request: RunRequest) -> None:
