@@ -124,3 +124,24 @@ def test_shell_substitution_without_torch(three, tmp_path):
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.stdout.strip() == three[1].uuid and done.stderr.strip() == "False"
+
+
+def test_wait_until_a_leased_gpu_is_released(simulate, capsys):
+    import threading
+
+    simulate([h100()])
+    uuid = dk.gpus()[0].uuid
+    lease = Lease.acquire([uuid])
+    timer = threading.Timer(0.3, lease.release)
+    timer.start()
+    try:
+        code, out, _ = run_cli(capsys, "--wait", "20", "-q")
+    finally:
+        timer.cancel()
+        lease.release()
+    assert (code, out.strip()) == (0, uuid)
+
+
+def test_all_eligible(three, capsys):
+    code, out, _ = run_cli(capsys, "-n", "all", "--max-util", "50%", "-q")
+    assert code == 0 and out.strip() == f"{three[1].uuid},{three[0].uuid}"

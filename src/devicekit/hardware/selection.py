@@ -47,7 +47,7 @@ from devicekit.units import format_size, parse_percent, parse_size
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ORDERS", "Selection", "select_gpus", "Candidate", "assess"]
+__all__ = ["ORDERS", "FORMATS", "Selection", "Candidate", "select_gpus"]
 
 ORDERS = ("free-memory", "utilization", "index", "random")
 FORMATS = ("uuid", "index")
@@ -185,7 +185,7 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
     out = []
     for gpu in gpus:
         reasons: list[str] = []
-        mine = [r for r in leases if r.gpu_uuid == gpu.uuid]
+        on_gpu = [r for r in leases if r.gpu_uuid == gpu.uuid]
         available = gpu.memory_free + sum(
             p.memory or 0 for p in gpu.processes if p.user in request.account_as_free)
         available = min(available, gpu.memory_total)
@@ -199,17 +199,17 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
             reasons.append("compute mode is prohibited")
         elif gpu.compute_mode == "exclusive_process" and gpu.processes:
             reasons.append(f"compute mode is exclusive_process and pid {gpu.processes[0].pid} uses it")
-        exclusive = [r for r in mine if not r.share]
+        exclusive = [r for r in on_gpu if not r.share]
         if exclusive:
             reasons.append(exclusive[0].describe())
-        elif mine and not request.share:
-            reasons.append(f"shared by {len(mine)} lease(s): {mine[0].describe()}")
-        elif mine:
+        elif on_gpu and not request.share:
+            reasons.append(f"shared by {len(on_gpu)} lease(s): {on_gpu[0].describe()}")
+        elif on_gpu:
             # share leases budget memory: what each holder asked minus what it already uses
             available -= sum(max((r.memory or 0) - _used_by(gpu, holder_pids.get(r.pid, {r.pid})), 0)
-                             for r in mine)
+                             for r in on_gpu)
         if request.min_free is not None and available < request.min_free:
-            what = "free" if not mine else "free after shared leases"
+            what = "free" if not on_gpu else "free after shared leases"
             reasons.append(f"{format_size(max(available, 0))} {what} < "
                            f"{format_size(request.min_free)} asked")
         if (request.max_util is not None and gpu.utilization is not None

@@ -1,0 +1,130 @@
+"""``devicekit status``: every GPU, its memory, utilization, processes, users and leases.
+
+Formatting only: the facts come from :func:`devicekit.hardware.status.collect_status`, the table
+from :func:`devicekit.hardware.table.render_status`, the JSON from ``StatusReport.to_dict``
+(schema in docs/cli.md). No torch import, so it starts fast.
+
+Usage::
+
+    devicekit status
+    devicekit status --json | jq '.gpus[] | {index, memory_free, leases}'
+    devicekit status --watch          # refresh every 2 s until Ctrl-C
+    devicekit status --watch 0.5 --json   # one JSON document per line, every 0.5 s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+__all__ = ["command"]
+
+DEFAULT_WATCH_SECONDS = 2.0
+_MIN_WATCH, _MAX_WATCH = 0.1, 3600.0
+
+
+def _watch_seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number of seconds; write e.g. --watch 2",
+                                 ctx=ctx, param=param) from None
+    if not math.isfinite(seconds) or not _MIN_WATCH <= seconds <= _MAX_WATCH:
+        raise click.BadParameter(
+            f"{value!r} must be between {_MIN_WATCH:g} and {_MAX_WATCH:g} seconds",
+            ctx=ctx, param=param)
+    return seconds
+
+
+@click.command(name="status")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the machine-readable document (schema 1, see docs/cli.md).")
+@click.option("--watch", metavar="[SECONDS]", is_flag=False, flag_value=str(DEFAULT_WATCH_SECONDS),
+              default=None, callback=_watch_seconds,
+              help=f"Refresh every SECONDS (default {DEFAULT_WATCH_SECONDS:g}) until Ctrl-C; "
+                   "with --json, one document per line.")
+@click.option("--no-processes", is_flag=True, help="Leave out the per-process table.")
+@click.option("--count", type=click.IntRange(min=1), default=None, hidden=True,
+              help="Stop --watch after this many refreshes (for scripts and tests).")
+def command(as_json: bool, watch: float | None, no_processes: bool, count: int | None) -> None:
+    """Show every GPU: memory, utilization, processes, users and devicekit leases.
+
+    Util is the share of time a kernel was running (averaged over the last few seconds), and
+    Mem-BW the share of time memory was being read or written: neither is spare capacity.
+    Exit codes: 0 shown; 1 bad option; 2 NVML or driver failure.
+    """
+    from devicekit.hardware.status import collect_status
+
+    if watch is None:
+        report = collect_status()
+        if as_json:
+            click.echo(json.dumps(report.to_dict(), indent=2))
+        else:
+            _console().print(_render(report, no_processes))
+        return
+    try:
+        if as_json:
+            _watch_json(watch, count)
+        else:
+            _watch_table(watch, count, no_processes)
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends: a clean exit, no traceback
+        return
+
+
+def _console() -> Any:  # a rich Console (rich is imported lazily)
+    import sys
+
+    from rich.console import Console
+
+    # piped or captured output gets a fixed, roomy width instead of rich's 80-column default
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+
+
+def _render(report: Any, no_processes: bool) -> Any:
+    from devicekit.hardware.table import render_status
+
+    return render_status(report, all_processes=not no_processes)
+
+
+def _frames(count: int | None) -> Iterator[int]:
+    shown = 0
+    while count is None or shown < count:
+        yield shown
+        shown += 1
+
+
+def _watch_json(seconds: float, count: int | None) -> None:
+    from devicekit.hardware.status import collect_status
+
+    for frame in _frames(count):
+        if frame:
+            time.sleep(seconds)
+        click.echo(json.dumps(collect_status().to_dict()))
+
+
+def _watch_table(seconds: float, count: int | None, no_processes: bool) -> None:
+    from rich.live import Live
+
+    from devicekit.hardware.status import collect_status
+
+    console = _console()
+    if not console.is_terminal:  # piped or captured: print each frame after the last
+        for frame in _frames(count):
+            if frame:
+                time.sleep(seconds)
+                console.print()
+            console.print(_render(collect_status(), no_processes))
+        return
+    with Live(_render(collect_status(), no_processes), console=console,
+              auto_refresh=False, transient=False) as live:
+        for frame in _frames(count):
+            if frame:
+                time.sleep(seconds)
+                live.update(_render(collect_status(), no_processes), refresh=True)

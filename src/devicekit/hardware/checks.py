@@ -1,0 +1,254 @@
+"""``devicekit doctor``'s checks: each returns pass/warn/fail lines that say what to do.
+
+:func:`run_checks` runs them all and returns :class:`Check` results; the CLI only prints them.
+The driver, GPU, variable and lease checks here import no torch; the torch build and NCCL checks
+(:mod:`devicekit.hardware.torch_checks`) and the launcher variables
+(:mod:`devicekit.hardware.launcher_checks`) live in their own modules. ``status`` is ``"pass"``,
+``"warn"``, ``"fail"`` or ``"skip"`` (not applicable here); only ``"fail"`` makes doctor exit 1.
+
+Usage::
+
+    from devicekit.hardware.checks import run_checks
+
+    for check in run_checks():
+        print(check.status.upper(), check.name, check.message)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from devicekit.errors import DeviceKitError
+from devicekit.hardware.gpu import GPU
+
+__all__ = [
+    "Check",
+    "Inventory",
+    "take_inventory",
+    "run_checks",
+    "check_backend",
+    "check_gpus",
+    "check_device_order",
+    "check_visible_devices",
+    "check_lease_dir",
+]
+
+Status = Literal["pass", "warn", "fail", "skip"]
+STATUSES: tuple[Status, ...] = ("pass", "warn", "fail", "skip")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One doctor line: ``name`` (what was checked), ``status`` and a one-line ``message``."""
+
+    name: str
+    status: Status
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the checks need to know about the GPUs, taken once."""
+
+    backend: str
+    gpus: tuple[GPU, ...]
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    nvml_version: str | None = None
+    #: why there are no GPUs facts (NVML missing or failing), if so
+    problem: str | None = None
+    #: True when the problem is a failure (driver present but broken), not an absence
+    failed: bool = False
+
+
+def take_inventory() -> Inventory:
+    """Read the backend once; a missing or broken driver is recorded, not raised."""
+    from devicekit.hardware.inventory import backend
+
+    try:
+        source = backend()
+        gpus = tuple(source.snapshot())
+    except DeviceKitError as exc:
+        name = "simulated" if os.environ.get("DEVICEKIT_SIMULATE") else "nvml"
+        return Inventory(backend=name, gpus=(), problem=str(exc), failed=True)
+
+    def optional(attr: str) -> str | None:
+        fn = getattr(source, attr, None)
+        try:
+            return fn() if callable(fn) else None
+        except DeviceKitError:
+            return None
+
+    return Inventory(
+        backend=source.name,
+        gpus=gpus,
+        driver_version=source.driver_version(),
+        cuda_driver_version=optional("cuda_driver_version"),
+        nvml_version=optional("nvml_version"),
+        problem=getattr(source, "reason", None),
+    )
+
+
+def check_backend(inv: Inventory) -> Check:
+    """NVML and the driver: loadable, working, which versions."""
+    if inv.failed:
+        return Check("nvml", "fail", inv.problem or "the GPU backend failed")
+    if inv.backend == "simulated":
+        path = os.environ.get("DEVICEKIT_SIMULATE", "?")
+        return Check("nvml", "pass", f"simulated GPUs from {path} (DEVICEKIT_SIMULATE); NVML not used")
+    if inv.backend == "none":
+        return Check("nvml", "warn", inv.problem or "NVML not available: no GPUs can be used")
+    parts = [f"driver {inv.driver_version or '?'}"]
+    if inv.cuda_driver_version:
+        parts.append(f"supports CUDA <= {inv.cuda_driver_version}")
+    if inv.nvml_version:
+        parts.append(f"NVML {inv.nvml_version}")
+    return Check("nvml", "pass", ", ".join(parts))
+
+
+def check_gpus(inv: Inventory) -> Check:
+    """The GPUs themselves: how many, and modes that stop jobs from sharing or using them."""
+    if inv.failed:
+        return Check("gpus", "skip", "no GPU facts (the backend failed)")
+    if not inv.gpus:
+        return Check("gpus", "skip" if inv.backend == "none" else "warn", "no GPUs found")
+    names = sorted({g.name for g in inv.gpus})
+    summary = f"{len(inv.gpus)} GPU(s): " + ", ".join(names)
+    prohibited = [str(g.index) for g in inv.gpus if g.compute_mode == "prohibited"]
+    if prohibited:
+        return Check("gpus", "fail", f"{summary}; GPU {','.join(prohibited)} in compute mode "
+                     "'prohibited' accept no CUDA work: run 'nvidia-smi -c DEFAULT'")
+    exclusive = [str(g.index) for g in inv.gpus if g.compute_mode in ("exclusive_process",
+                                                                        "exclusive_thread")]
+    empty_mig = [str(g.index) for g in inv.gpus if g.mig_enabled and not g.mig_devices]
+    notes = []
+    if exclusive:
+        notes.append(f"GPU {','.join(exclusive)} exclusive-process: one process at a time")
+    if empty_mig:
+        notes.append(f"GPU {','.join(empty_mig)} in MIG mode without instances: create them "
+                     "with 'nvidia-smi mig' or disable MIG")
+    if notes:
+        return Check("gpus", "warn", f"{summary}; " + "; ".join(notes))
+    mig = [str(g.index) for g in inv.gpus if g.mig_enabled]
+    if mig:
+        summary += f"; GPU {','.join(mig)} in MIG mode (address instances by MIG UUID)"
+    return Check("gpus", "pass", summary)
+
+
+def _index_based(raw: str | None) -> bool:
+    return bool(raw) and any(t.strip().isdigit() for t in (raw or "").split(","))
+
+
+def check_device_order(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """CUDA_DEVICE_ORDER: garbage values, and the FASTEST_FIRST trap on mixed machines."""
+    from devicekit.hardware.visible import cuda_order, ordering_note
+
+    name = "cuda_device_order"
+    try:
+        order = cuda_order(env)
+    except DeviceKitError as exc:
+        return Check(name, "fail", str(exc))
+    note = ordering_note(inv.gpus, env)
+    if note:
+        raw = env.get("CUDA_VISIBLE_DEVICES")
+        if _index_based(raw):
+            return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} uses indices but {note}")
+        return Check(name, "warn", note[0].upper() + note[1:])
+    if order == "PCI_BUS_ID":
+        return Check(name, "pass", "PCI_BUS_ID: CUDA numbers GPUs like nvidia-smi")
+    set_or_not = "unset (FASTEST_FIRST)" if not env.get("CUDA_DEVICE_ORDER") else order
+    return Check(name, "pass", f"{set_or_not}; harmless here (no mix of GPU models)")
+
+
+def check_visible_devices(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """CUDA_VISIBLE_DEVICES: parseable, names GPUs that exist, no duplicates."""
+    import warnings
+
+    from devicekit.hardware.visible import visible_devices
+
+    name = "cuda_visible_devices"
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return Check(name, "pass", f"unset: all {len(inv.gpus)} GPU(s) visible")
+    if inv.failed or not inv.gpus:
+        return Check(name, "skip", f"CUDA_VISIBLE_DEVICES={raw!r}; no GPUs here to check it against")
+    try:
+        with warnings.catch_warnings():  # the ordering trap is check_device_order's line
+            warnings.simplefilter("ignore")
+            devices = visible_devices(inv.gpus, env)
+    except DeviceKitError as exc:
+        return Check(name, "fail", str(exc))
+    if not devices:
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU, so CUDA sees "
+                     "none; unset it to use the GPUs")
+    migs = [d for d in devices if d.mig is not None]
+    if migs and len(devices) > 1:
+        return Check(name, "warn", f"CUDA_VISIBLE_DEVICES={raw!r} lists several devices with a MIG "
+                     "instance among them; a CUDA process can use only one MIG instance")
+    shown = ", ".join(f"cuda:{d.ordinal}=GPU {d.gpu.index}" + (f" MIG {d.mig.index}" if d.mig else "")
+                      for d in devices)
+    return Check(name, "pass", f"{raw!r}: {shown}")
+
+
+def check_lease_dir() -> Check:
+    """The lease directory exists (or can be made), is not a symlink, is safe and writable."""
+    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.hardware.leases import read_leases
+
+    try:
+        path = lease_dir()
+        if not os.access(path, os.W_OK | os.X_OK):
+            return Check("lease_dir", "fail", f"lease directory {str(path)!r} is not writable by "
+                         "you; set DEVICEKIT_LEASE_DIR to a directory you can write")
+        live = read_leases(path)
+    except DeviceKitError as exc:
+        return Check("lease_dir", "fail", str(exc))
+    mode = oct(os.stat(path).st_mode & 0o7777)[2:]
+    return Check("lease_dir", "pass", f"{path} (mode {mode}), {len(live)} live lease(s)")
+
+
+def run_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> list[Check]:
+    """Run every check; ``torch=False`` leaves out the (slow to import) torch and NCCL checks."""
+    from devicekit.hardware.launcher_checks import check_launcher
+
+    env = os.environ if env is None else env
+    inv = take_inventory()
+    checks: list[Check] = [check_backend(inv), check_gpus(inv)]
+    if torch:
+        from devicekit.hardware.torch_checks import check_nccl, check_torch_build
+
+        checks += [check_torch_build(inv), check_nccl()]
+    checks += [
+        check_device_order(inv, env),
+        check_visible_devices(inv, env),
+        check_lease_dir(),
+        check_launcher(env, visible_gpus=_visible_count(inv, env)),
+    ]
+    return checks
+
+
+def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:
+    """How many devices CUDA will show (None where that cannot be told)."""
+    import warnings
+
+    from devicekit.hardware.visible import visible_devices
+
+    if inv.failed or not inv.gpus:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return len(visible_devices(inv.gpus, env))
+    except DeviceKitError:
+        return None
+
+
+def summarize(checks: Sequence[Check]) -> dict[str, int]:
+    """Count of checks per status: ``{"pass": 5, "warn": 1, "fail": 0, "skip": 1}``."""
+    return {status: sum(1 for c in checks if c.status == status) for status in STATUSES}

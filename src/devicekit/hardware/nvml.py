@@ -1,0 +1,369 @@
+"""GPU facts from NVML (NVIDIA's driver library) through nvidia-ml-py: no torch, no subprocess.
+
+NVML is initialised once per process and device handles are cached, so a snapshot is a handful
+of C calls per GPU. Facts a GPU or driver does not support (``Not Supported``, ``No
+Permission``, a function the driver is too old for) come back as ``None``; a driver that is
+present but failing raises :class:`~devicekit.errors.BackendError` naming the NVML error;
+a machine without the NVML library raises :class:`NVMLNotFound` (inventory then reports no GPUs).
+
+GPU and memory-bandwidth utilization are averaged over the driver's own sample buffer for the
+last ``utilization_window`` seconds (``nvmlDeviceGetSamples``), not read as one instantaneous
+value; where sampling is unsupported the single ``nvmlDeviceGetUtilizationRates`` reading is used.
+
+Usage::
+
+    from devicekit.hardware.nvml import NVMLBackend, NVMLNotFound
+
+    try:
+        nvml = NVMLBackend()
+    except NVMLNotFound:
+        print("no NVIDIA driver on this machine")
+    else:
+        print(nvml.driver_version(), nvml.cuda_driver_version())
+        for gpu in nvml.snapshot():
+            print(gpu.index, gpu.uuid, gpu.utilization, gpu.memory_free)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from devicekit.errors import BackendError, NVMLUnavailableError
+from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
+
+__all__ = ["NVMLBackend", "NVMLNotFound", "DEFAULT_UTILIZATION_WINDOW"]
+
+#: seconds of driver samples averaged into ``GPU.utilization``
+DEFAULT_UTILIZATION_WINDOW = 5.0
+
+_T = TypeVar("_T")
+
+_COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}
+
+# per-field errors that mean "this GPU/driver cannot tell": the field becomes None
+_UNSUPPORTED_ERRORS = (
+    "NVMLError_NotSupported",
+    "NVMLError_NoPermission",
+    "NVMLError_FunctionNotFound",
+    "NVMLError_NotFound",
+)
+# nvmlInit errors that mean "no NVIDIA driver here" rather than "the driver is broken"
+_ABSENT_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
+
+_init_lock = threading.Lock()
+_initialised: list[Any] = []  # pynvml modules already initialised: one nvmlInit per process
+
+
+class NVMLNotFound(NVMLUnavailableError):
+    """The NVML library (``libnvidia-ml.so.1``) or the NVIDIA kernel driver is not present."""
+
+
+def _load_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise NVMLNotFound(
+            f"nvidia-ml-py is not installed ({exc}); run 'pip install nvidia-ml-py'"
+        ) from None
+    return pynvml
+
+
+def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    return tuple(cls for name in names if isinstance(cls := getattr(nvml, name, None), type))
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+class NVMLBackend:
+    """Snapshots every physical GPU through NVML.
+
+    ``utilization_window`` (seconds) is how far back the driver's utilization samples are
+    averaged. Raises :class:`NVMLNotFound` when NVML cannot be loaded and
+    :class:`~devicekit.errors.BackendError` when the driver is present but fails.
+    """
+
+    name = "nvml"
+
+    def __init__(self, utilization_window: float = DEFAULT_UTILIZATION_WINDOW) -> None:
+        self.utilization_window = float(utilization_window)
+        self._nvml = _load_pynvml()
+        self._unsupported = _error_classes(self._nvml, _UNSUPPORTED_ERRORS)
+        self._init()
+        count = self._call(self._nvml.nvmlDeviceGetCount, what="count the GPUs")
+        #: GPUs NVML lists but will not open for this process, one line each (shown by status)
+        self.problems: list[str] = []
+        # (NVML index, handle); a GPU fenced off from this process (a Slurm/cgroup allocation
+        # leaves the others listed but NO_PERMISSION) is left out, keeping the others' indices
+        self._handles: list[tuple[int, Any]] = []
+        no_permission = _error_classes(self._nvml, ("NVMLError_NoPermission",))
+        for i in range(count):
+            try:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
+            except no_permission:
+                self.problems.append(f"GPU {i} is not accessible to this process (NVML: "
+                                     "Insufficient Permissions); it belongs to another job")
+                continue
+            except self._nvml.NVMLError as exc:
+                raise BackendError(
+                    f"NVML failed to open GPU {i} ({exc}); check 'nvidia-smi' and the driver"
+                ) from None
+            self._handles.append((i, handle))
+        self._static: dict[int, dict[str, Any]] = {}
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _init(self) -> None:
+        nvml = self._nvml
+        with _init_lock:
+            if any(module is nvml for module in _initialised):
+                return
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError as exc:
+                if isinstance(exc, _error_classes(nvml, _ABSENT_ERRORS)):
+                    raise NVMLNotFound(
+                        f"NVML cannot be loaded ({exc}); no NVIDIA driver on this machine, "
+                        "so devicekit sees no GPUs (install the driver, or use DEVICEKIT_SIMULATE)"
+                    ) from None
+                raise BackendError(
+                    f"the NVIDIA driver failed to initialise NVML ({exc}); "
+                    "check 'nvidia-smi' and reload or reinstall the driver"
+                ) from None
+            _initialised.append(nvml)
+
+    def _call(self, fn: Callable[..., _T], *args: Any, what: str) -> _T:
+        """Call NVML; any NVML error is a BackendError naming it (for facts that must exist)."""
+        try:
+            return fn(*args)
+        except self._nvml.NVMLError as exc:
+            raise BackendError(
+                f"NVML failed to {what} ({exc}); check 'nvidia-smi' and the driver"
+            ) from None
+
+    def _optional(self, fn: Callable[..., _T], *args: Any, what: str) -> _T | None:
+        """Call NVML; 'not supported'-style errors give None, real failures a BackendError."""
+        try:
+            return fn(*args)
+        except self._unsupported:
+            return None
+        except self._nvml.NVMLError as exc:
+            raise BackendError(
+                f"NVML failed to {what} ({exc}); check 'nvidia-smi' and the driver"
+            ) from None
+
+    # -- system facts -----------------------------------------------------------------------
+
+    def driver_version(self) -> str | None:
+        """The NVIDIA driver version, e.g. ``"550.54.15"``."""
+        value = self._optional(self._nvml.nvmlSystemGetDriverVersion, what="read the driver version")
+        return _text(value) if value is not None else None
+
+    def nvml_version(self) -> str | None:
+        """The NVML library version, e.g. ``"12.550.54.15"``."""
+        value = self._optional(self._nvml.nvmlSystemGetNVMLVersion, what="read the NVML version")
+        return _text(value) if value is not None else None
+
+    def cuda_driver_version(self) -> str | None:
+        """The newest CUDA version the driver supports, e.g. ``"12.4"`` (torch's CUDA must be <=)."""
+        fn = getattr(self._nvml, "nvmlSystemGetCudaDriverVersion_v2", None) or \
+            self._nvml.nvmlSystemGetCudaDriverVersion
+        value = self._optional(fn, what="read the CUDA driver version")
+        if value is None:
+            return None
+        return f"{int(value) // 1000}.{int(value) % 1000 // 10}"
+
+    def device_count(self) -> int:
+        return len(self._handles)
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self) -> list[GPU]:
+        """One :class:`GPU` per physical device, in NVML (PCI bus) order."""
+        return [self._gpu(i, handle) for i, handle in self._handles]
+
+    def _static_facts(self, index: int, handle: Any) -> dict[str, Any]:
+        """Facts that cannot change while the process runs: read once per GPU."""
+        facts = self._static.get(index)
+        if facts is None:
+            nvml = self._nvml
+            pci = self._optional(nvml.nvmlDeviceGetPciInfo, handle, what=f"read GPU {index} PCI info")
+            bus_id = None
+            if pci is not None:
+                bus_id = _text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", "")) or None
+            facts = {
+                "uuid": _text(self._call(nvml.nvmlDeviceGetUUID, handle, what=f"read GPU {index} UUID")),
+                "name": _text(self._call(nvml.nvmlDeviceGetName, handle, what=f"read GPU {index} name")),
+                "pci_bus_id": bus_id,
+                "compute_capability": self._optional(
+                    nvml.nvmlDeviceGetCudaComputeCapability, handle,
+                    what=f"read GPU {index} compute capability"),
+            }
+            cc = facts["compute_capability"]
+            if cc is not None:
+                facts["compute_capability"] = (int(cc[0]), int(cc[1]))
+            self._static[index] = facts
+        return facts
+
+    def _gpu(self, index: int, handle: Any) -> GPU:
+        nvml = self._nvml
+        static = self._static_facts(index, handle)
+        label = f"GPU {index}"
+        total, used, free = self._memory(handle, label)
+        mode = self._optional(nvml.nvmlDeviceGetComputeMode, handle, what=f"read {label} compute mode")
+        power = self._optional(nvml.nvmlDeviceGetPowerUsage, handle, what=f"read {label} power")
+        limit = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle,
+                               what=f"read {label} power limit")
+        temperature = self._optional(nvml.nvmlDeviceGetTemperature, handle,
+                                     nvml.NVML_TEMPERATURE_GPU, what=f"read {label} temperature")
+        mig_enabled, mig_devices = self._mig(handle, label)
+        gpu_util, bw_util = self._utilization(handle, label)
+        return GPU(
+            index=index,
+            uuid=static["uuid"],
+            name=static["name"],
+            memory_total=total,
+            memory_used=used,
+            memory_free=free,
+            pci_bus_id=static["pci_bus_id"],
+            utilization=gpu_util,
+            memory_bandwidth_utilization=bw_util,
+            temperature=int(temperature) if temperature is not None else None,
+            power_draw=power / 1000.0 if power is not None else None,
+            power_limit=limit / 1000.0 if limit is not None else None,
+            compute_capability=static["compute_capability"],
+            compute_mode=_COMPUTE_MODES.get(mode, str(mode)) if mode is not None else None,
+            mig_enabled=mig_enabled,
+            mig_devices=mig_devices,
+            processes=self._processes(handle, label),
+            backend="nvml",
+        )
+
+    def _memory(self, handle: Any, label: str) -> tuple[int, int, int]:
+        nvml = self._nvml
+        info = None
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if version is not None:  # v2 reports "used" without driver-reserved memory, like nvidia-smi
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except (nvml.NVMLError, TypeError):
+                info = None
+        if info is None:
+            info = self._call(nvml.nvmlDeviceGetMemoryInfo, handle, what=f"read {label} memory")
+        return int(info.total), int(info.used), int(info.free)
+
+    def _utilization(self, handle: Any, label: str) -> tuple[float | None, float | None]:
+        """(GPU busy %, memory-bandwidth busy %), averaged over the recent window where possible."""
+        nvml = self._nvml
+        since = int((time.time() - self.utilization_window) * 1_000_000)
+        gpu = self._sampled(handle, getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", None), since)
+        bandwidth = self._sampled(handle, getattr(nvml, "NVML_MEMORY_UTILIZATION_SAMPLES", None),
+                                  since)
+        if gpu is None or bandwidth is None:
+            rates = self._optional(nvml.nvmlDeviceGetUtilizationRates, handle,
+                                   what=f"read {label} utilization")
+            if rates is not None:
+                gpu = float(rates.gpu) if gpu is None else gpu
+                bandwidth = float(rates.memory) if bandwidth is None else bandwidth
+        return gpu, bandwidth
+
+    def _sampled(self, handle: Any, sample_type: int | None, since_us: int) -> float | None:
+        """Mean of the driver's samples newer than ``since_us``; None where there are none."""
+        get_samples = getattr(self._nvml, "nvmlDeviceGetSamples", None)
+        if sample_type is None or get_samples is None:
+            return None
+        try:
+            _, samples = get_samples(handle, sample_type, since_us)
+        except self._nvml.NVMLError:  # not supported, no samples yet (NOT_FOUND), MIG mode...
+            return None
+        values = [_sample_value(s) for s in samples if int(s.timeStamp) > since_us]
+        if not values:
+            return None
+        return sum(values) / len(values)
+
+    def _mig(self, handle: Any, label: str) -> tuple[bool, tuple[MigDevice, ...]]:
+        nvml = self._nvml
+        modes = self._optional(nvml.nvmlDeviceGetMigMode, handle, what=f"read {label} MIG mode")
+        enabled_value = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+        if modes is None or modes[0] != enabled_value:
+            return False, ()
+        slots = self._optional(nvml.nvmlDeviceGetMaxMigDeviceCount, handle,
+                               what=f"count {label} MIG instances") or 0
+        devices: list[MigDevice] = []
+        for slot in range(int(slots)):
+            mig = self._optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot,
+                                 what=f"open {label} MIG slot {slot}")
+            if mig is None:  # an empty slot
+                continue
+            where = f"{label} MIG slot {slot}"
+            info = self._call(nvml.nvmlDeviceGetMemoryInfo, mig, what=f"read {where} memory")
+            devices.append(MigDevice(
+                index=len(devices),
+                uuid=_text(self._call(nvml.nvmlDeviceGetUUID, mig, what=f"read {where} UUID")),
+                name=_text(self._call(nvml.nvmlDeviceGetName, mig, what=f"read {where} name")),
+                memory_total=int(info.total),
+                memory_used=int(info.used),
+            ))
+        return True, tuple(devices)
+
+    def _processes(self, handle: Any, label: str) -> tuple[GPUProcess, ...]:
+        """Compute and graphics processes, one entry per pid, with user and command via psutil."""
+        nvml = self._nvml
+        memory_by_pid: dict[int, int | None] = {}
+        for fn_name in ("nvmlDeviceGetComputeRunningProcesses",
+                        "nvmlDeviceGetGraphicsRunningProcesses"):
+            fn = getattr(nvml, fn_name, None)
+            if fn is None:
+                continue
+            found = self._optional(fn, handle, what=f"list {label} processes") or []
+            for proc in found:
+                pid = int(proc.pid)
+                raw = getattr(proc, "usedGpuMemory", None)  # None: the driver will not say
+                memory = int(raw) if raw is not None else None
+                # a process in both lists holds one allocation: keep the larger figure
+                known = memory_by_pid.get(pid)
+                if pid not in memory_by_pid or (memory is not None and (known or 0) < memory):
+                    memory_by_pid[pid] = memory
+        return tuple(_describe_process(pid, memory) for pid, memory in sorted(memory_by_pid.items()))
+
+
+def _sample_value(sample: Any) -> float:
+    value = sample.sampleValue
+    # utilization samples are unsigned ints; other fields of the union are read as a fallback
+    for field in ("uiVal", "ulVal", "ullVal", "dVal"):
+        if hasattr(value, field):
+            return float(getattr(value, field))
+    return float(value)
+
+
+def _describe_process(pid: int, memory: int | None) -> GPUProcess:
+    """User and command line of ``pid``; None where it vanished, is hidden or in another namespace."""
+    import psutil
+
+    user: str | None = None
+    command: str | None = None
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            try:
+                user = proc.username()
+            except (psutil.Error, KeyError):  # KeyError: a uid without a passwd entry
+                try:
+                    user = str(proc.uids().real)
+                except psutil.Error:
+                    user = None
+            try:
+                argv = proc.cmdline()
+                command = " ".join(argv) if argv else proc.name()
+            except psutil.Error:  # another user's process: the name is usually still readable
+                try:
+                    command = proc.name()
+                except psutil.Error:
+                    command = None
+    except psutil.Error:  # gone since NVML listed it, or in another pid namespace
+        pass
+    return GPUProcess(pid=pid, user=user, command=command, memory=memory)

@@ -1,0 +1,237 @@
+"""The NVML backend against a fake ``pynvml`` (no driver on CI machines)."""
+
+from __future__ import annotations
+
+import getpass
+import inspect
+import os
+import sys
+
+import psutil
+import pytest
+
+from devicekit.errors import BackendError, NVMLUnavailableError
+from devicekit.hardware import inventory
+from devicekit.hardware.nvml import NVMLBackend, NVMLNotFound
+from tests.hardware.fake_pynvml import (
+    ERROR_CODES,
+    FUNCTION_NOT_FOUND,
+    GPU_IS_LOST,
+    NOT_SUPPORTED,
+    FakeDevice,
+    make_pynvml,
+)
+
+UUID0 = "GPU-5d9b2f4e-1111-2222-3333-444455556666"
+UUID1 = "GPU-aa11bb22-1111-2222-3333-444455556666"
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """``fake_nvml([FakeDevice(...)], **opts)`` installs a fake pynvml and returns it."""
+
+    def install(devices, **options):
+        module = make_pynvml(devices, **options)
+        monkeypatch.setitem(sys.modules, "pynvml", module)
+        inventory._cache.clear()
+        return module
+
+    return install
+
+
+def test_fake_matches_real_pynvml():
+    """Every name the fake offers exists in the real module, so the tests track the real API."""
+    real = pytest.importorskip("pynvml")
+    fake = make_pynvml([])
+    public = [n for n in vars(fake) if n.startswith(("nvml", "NVML"))]
+    assert len(public) > 30
+    missing = [n for n in public if not hasattr(real, n)]
+    assert missing == []
+    for name, code in ERROR_CODES.items():
+        assert getattr(real, name) == code
+        assert type(real.NVMLError(code)).__name__ == type(fake.NVMLError(code)).__name__
+    for name in public:  # same number of parameters, same defaults
+        if callable(getattr(fake, name)) and not isinstance(getattr(fake, name), type):
+            ours = inspect.signature(getattr(fake, name)).parameters.values()
+            theirs = inspect.signature(getattr(real, name)).parameters.values()
+            assert [p.default for p in ours] == [p.default for p in theirs], name
+
+
+def test_snapshot_reports_every_fact(fake_nvml):
+    fake_nvml([
+        FakeDevice(UUID0, used=2 * 2**30, gpu_rate=7, memory_rate=3, temperature=41,
+                   power_mw=123_400, limit_mw=700_000, cc=(9, 0), compute_mode=3,
+                   bus_id="00000000:17:00.0"),
+        FakeDevice(UUID1, name="NVIDIA A100-SXM4-40GB", total=40 * 2**30, cc=(8, 0),
+                   bus_id="00000000:65:00.0"),
+    ])
+    backend = NVMLBackend()
+    first, second = backend.snapshot()
+    assert (first.index, first.uuid, first.name) == (0, UUID0, "NVIDIA H100 80GB HBM3")
+    assert first.pci_bus_id == "00000000:17:00.0"
+    assert (first.memory_total, first.memory_used, first.memory_free) == (
+        80 * 2**30, 2 * 2**30, 78 * 2**30)
+    assert first.utilization == 7.0 and first.memory_bandwidth_utilization == 3.0
+    assert first.temperature == 41
+    assert first.power_draw == pytest.approx(123.4) and first.power_limit == 700.0
+    assert first.compute_capability == (9, 0) and first.compute_mode == "exclusive_process"
+    assert first.mig_enabled is False and first.mig_devices == ()
+    assert first.backend == "nvml"
+    assert (second.index, second.uuid, second.compute_capability) == (1, UUID1, (8, 0))
+    assert second.to_dict()["compute_capability"] == "8.0"
+    assert backend.driver_version() == "550.54.15"
+    assert backend.cuda_driver_version() == "12.4"
+    assert backend.nvml_version() == "12.550.54.15"
+
+
+def test_init_once_and_handles_cached(fake_nvml):
+    module = fake_nvml([FakeDevice(UUID0), FakeDevice(UUID1)])
+    backend = NVMLBackend()
+    for _ in range(3):
+        backend.snapshot()
+    NVMLBackend().snapshot()
+    assert module.calls["nvmlInit"] == 1
+    assert module.calls["nvmlDeviceGetHandleByIndex"] == 4  # 2 per backend, none per snapshot
+    assert module.calls["nvmlDeviceGetUUID"] == 4  # static facts read once per backend
+    assert module.calls["nvmlDeviceGetMemoryInfo"] == 8  # live facts read on every snapshot
+
+
+def test_utilization_is_averaged_over_the_window(fake_nvml):
+    fake_nvml([FakeDevice(
+        UUID0, gpu_rate=99, memory_rate=99,
+        gpu_samples=[(30.0, 100), (2.0, 40), (1.0, 60), (0.1, 50)],  # the 30 s old one is outside
+        memory_samples=[(1.5, 10), (0.5, 30)],
+    )])
+    gpu = NVMLBackend(utilization_window=5.0).snapshot()[0]
+    assert gpu.utilization == pytest.approx(50.0)
+    assert gpu.memory_bandwidth_utilization == pytest.approx(20.0)
+
+
+def test_utilization_falls_back_to_one_reading(fake_nvml):
+    # sampling unsupported (None) or no sample inside the window: the instantaneous rates
+    fake_nvml([FakeDevice(UUID0, gpu_rate=12, memory_rate=34, gpu_samples=None,
+                          memory_samples=[(60.0, 90)])])
+    gpu = NVMLBackend(utilization_window=5.0).snapshot()[0]
+    assert (gpu.utilization, gpu.memory_bandwidth_utilization) == (12.0, 34.0)
+
+
+def test_unsupported_fields_become_none(fake_nvml):
+    unsupported = {name: NOT_SUPPORTED for name in (
+        "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetComputeMode",
+        "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMigMode", "nvmlDeviceGetPciInfo",
+        "nvmlDeviceGetComputeRunningProcesses")}
+    unsupported["nvmlDeviceGetGraphicsRunningProcesses"] = FUNCTION_NOT_FOUND
+    unsupported["nvmlDeviceGetMemoryInfo_v2"] = FUNCTION_NOT_FOUND  # old driver: v1 is used
+    fake_nvml([FakeDevice(UUID0, used=2**30, errors=unsupported)])
+    gpu = NVMLBackend().snapshot()[0]
+    assert gpu.memory_used == 2**30
+    for name in ("temperature", "power_draw", "power_limit", "compute_capability",
+                 "compute_mode", "utilization", "memory_bandwidth_utilization", "pci_bus_id"):
+        assert getattr(gpu, name) is None, name
+    assert gpu.mig_enabled is False and gpu.processes == ()
+
+
+def test_a_failing_gpu_is_a_backend_error(fake_nvml):
+    fake_nvml([FakeDevice(UUID0), FakeDevice(UUID1, errors={"nvmlDeviceGetTemperature": GPU_IS_LOST})])
+    with pytest.raises(BackendError) as info:
+        NVMLBackend().snapshot()
+    message = str(info.value)
+    assert "GPU 1" in message and "GPU is lost" in message and "\n" not in message
+    assert not isinstance(info.value, NVMLUnavailableError)
+
+
+@pytest.mark.parametrize("code", ["NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"])
+def test_no_driver_means_no_gpus(fake_nvml, code):
+    fake_nvml([FakeDevice(UUID0)], init_error=ERROR_CODES[code])
+    with pytest.raises(NVMLNotFound) as info:
+        NVMLBackend()
+    assert isinstance(info.value, NVMLUnavailableError) and "\n" not in str(info.value)
+    assert inventory.gpus() == []
+    assert inventory.backend().name == "none"
+
+
+def test_missing_pynvml_package_means_no_gpus(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # "import pynvml" raises ImportError
+    with pytest.raises(NVMLNotFound, match="nvidia-ml-py"):
+        NVMLBackend()
+    assert inventory.gpus() == []
+
+
+def test_broken_driver_is_a_backend_error(fake_nvml):
+    fake_nvml([FakeDevice(UUID0)], init_error=ERROR_CODES["NVML_ERROR_LIB_RM_VERSION_MISMATCH"])
+    with pytest.raises(BackendError, match="version mismatch") as info:
+        inventory.gpus()
+    assert not isinstance(info.value, NVMLNotFound)
+    assert info.value.exit_code == 2
+
+
+def test_mig_instances(fake_nvml):
+    slots = [FakeDevice("MIG-11111111-2222-3333-4444-555555555555", name="1g.10gb",
+                        total=10 * 2**30, used=2**30),
+             None,
+             FakeDevice("MIG-66666666-2222-3333-4444-555555555555", name="3g.40gb",
+                        total=40 * 2**30)]
+    fake_nvml([FakeDevice(UUID0, mig_mode=(1, 1), mig_slots=slots,
+                          errors={"nvmlDeviceGetUtilizationRates": NOT_SUPPORTED})])
+    gpu = NVMLBackend().snapshot()[0]
+    assert gpu.mig_enabled
+    assert [(m.index, m.name, m.memory_free) for m in gpu.mig_devices] == [
+        (0, "1g.10gb", 9 * 2**30), (1, "3g.40gb", 40 * 2**30)]
+    assert gpu.mig_devices[1].uuid.startswith("MIG-66666666")
+    assert gpu.utilization is None
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while psutil.pid_exists(pid):
+        pid += 1
+    return pid
+
+
+def test_processes_with_users_and_commands(fake_nvml):
+    me = os.getpid()
+    gone = _dead_pid()
+    fake_nvml([FakeDevice(
+        UUID0,
+        compute_procs=[(me, 2**30), (gone, None), (1, 5 * 2**20)],
+        graphics_procs=[(me, 2**30)],  # the same process in both lists counts once
+    )])
+    procs = {p.pid: p for p in NVMLBackend().snapshot()[0].processes}
+    assert set(procs) == {me, gone, 1}
+    mine = procs[me]
+    assert mine.memory == 2**30
+    assert mine.user == psutil.Process(me).username() or mine.user == getpass.getuser()
+    assert "pytest" in (mine.command or "") or "python" in (mine.command or "")
+    assert (procs[gone].user, procs[gone].command, procs[gone].memory) == (None, None, None)
+    init = procs[1]  # another user's process: user and at least its name are still known
+    assert init.user == psutil.Process(1).username() and init.command
+    assert init.memory == 5 * 2**20
+
+
+def test_bytes_from_old_bindings_are_decoded(fake_nvml):
+    module = fake_nvml([FakeDevice(UUID0)])
+    original = module.nvmlDeviceGetName
+    module.nvmlDeviceGetName = lambda handle: original(handle).encode()
+    module.nvmlSystemGetDriverVersion = lambda: b"535.104.05"
+    backend = NVMLBackend()
+    assert backend.snapshot()[0].name == "NVIDIA H100 80GB HBM3"
+    assert backend.driver_version() == "535.104.05"
+
+
+def test_gpu_fenced_off_by_a_job_allocation_is_left_out(fake_nvml):
+    from devicekit.hardware.status import collect_status
+
+    module = fake_nvml([FakeDevice(UUID0), FakeDevice(UUID1), FakeDevice("GPU-3")])
+    original = module.nvmlDeviceGetHandleByIndex
+
+    def fenced(index):
+        if index == 1:
+            raise module.NVMLError(ERROR_CODES["NVML_ERROR_NO_PERMISSION"])
+        return original(index)
+
+    module.nvmlDeviceGetHandleByIndex = fenced
+    gpus = inventory.gpus()
+    assert [(g.index, g.uuid) for g in gpus] == [(0, UUID0), (2, "GPU-3")]  # indices kept
+    report = collect_status()
+    assert any("GPU 1 is not accessible" in w for w in report.warnings)
