@@ -60,6 +60,21 @@ def measure(prefix: list[str], steps: int, workdir: Path) -> dict[str, float]:
     return {"startup": data["first_step"] - start, "rate": data["steps_per_second"]}
 
 
+def own_overhead(repeats: int = 5) -> tuple[float, float]:
+    """Best wall time of ``python -c pass`` alone and under ``devicekit run`` (one process)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    bare = [sys.executable, "-c", "pass"]
+    wrapped = [sys.executable, "-m", "devicekit", "run", "--", *bare]
+    times: dict[str, float] = {"bare": float("inf"), "wrapped": float("inf")}
+    for _ in range(repeats):
+        for key, cmd in (("bare", bare), ("wrapped", wrapped)):
+            start = time.perf_counter()
+            subprocess.run(cmd, env=env, capture_output=True, check=True, timeout=60)
+            times[key] = min(times[key], time.perf_counter() - start)
+    return times["bare"], times["wrapped"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -100,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, seen in best.items():
         print(f"| {name} | {seen['rate']:.1f} | {seen['rate'] / anchor['rate']:.3f} |"
               f" {seen['startup']:.2f} | {seen['startup'] / anchor['startup']:.2f} |")
+    bare, wrapped = own_overhead()
+    print()
+    print(f"devicekit run's own start-up cost: `devicekit run -- python -c pass` {wrapped:.3f} s vs"
+          f" `python -c pass` {bare:.3f} s (+{wrapped - bare:.3f} s; best of 5)")
     ratio = best["devicekit run"]["rate"] / anchor["rate"]
     print()
     print(f"goal: devicekit run throughput ratio >= 0.97 -> {ratio:.3f} "

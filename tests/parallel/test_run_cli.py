@@ -133,4 +133,4 @@ def test_no_command_runs_the_example_on_cpu() -> None:
     assert "device: cpu" in done.stdout
     assert "steps/s" in done.stdout and "peak process memory" in done.stdout
     assert "final loss" in done.stdout
-    assert "running 1 CPU process" in done.stderr
+    assert "running on the CPU (1 process)" in done.stderr

@@ -91,11 +91,13 @@ def train(seconds: float = 3.0, steps: int | None = None, batch_size: int = 128,
 
         model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    generator = torch.Generator().manual_seed(seed + 1 + facts.rank)
+    generator = torch.Generator().manual_seed(seed + 1 + facts.rank)  # each rank: its own data
     teacher = torch.randn(32, 1, generator=torch.Generator().manual_seed(seed))
-    inputs = torch.randn(batch_size, 32, generator=generator).to(device)
-    noise = 0.1 * torch.randn(batch_size, 1, generator=generator)
-    targets = ((inputs.cpu() @ teacher).tanh() + noise).to(device)
+    batches = []
+    for _ in range(16):  # a small pool of batches, made once: the loop measures training only
+        inputs = torch.randn(batch_size, 32, generator=generator)
+        noise = 0.1 * torch.randn(batch_size, 1, generator=generator)
+        batches.append((inputs.to(device), ((inputs @ teacher).tanh() + noise).to(device)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stop_flag = torch.zeros(1, device=device)
@@ -104,6 +106,7 @@ def train(seconds: float = 3.0, steps: int | None = None, batch_size: int = 128,
     start = time.perf_counter()
     while True:
         optimizer.zero_grad(set_to_none=True)
+        inputs, targets = batches[done % len(batches)]
         loss = nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
         optimizer.step()

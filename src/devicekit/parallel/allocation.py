@@ -117,10 +117,11 @@ def allocate(
                 " the CPU",
                 [why],
             )
-        why = getattr(backend(), "reason", None) or "no GPU found"
+        why = getattr(backend(), "reason", None) or "the GPU list is empty"
         count = procs or 1
-        return Allocation(count, gpus_per_proc, None, f"no GPU on this machine ({why}): "
-                          f"running {count} CPU process(es) with gloo")
+        what = "1 process" if count == 1 else f"{count} processes with gloo"
+        return Allocation(count, gpus_per_proc, None,
+                          f"no GPU on this machine, running on the CPU ({what}); why: {why}")
 
     if gpus == "all":
         count = None
