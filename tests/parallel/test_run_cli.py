@@ -134,3 +134,47 @@ def test_no_command_runs_the_example_on_cpu() -> None:
     assert "steps/s" in done.stdout and "peak process memory" in done.stdout
     assert "final loss" in done.stdout
     assert "running on the CPU (1 process)" in done.stderr
+
+
+def test_ctrl_c_on_a_terminal_stops_every_process(tmp_path: Path, no_leftover_children: None) -> None:
+    """On a terminal the command is the foreground group: Ctrl-C reaches it, and run exits 130."""
+    import os
+    import pty
+    import select
+
+    info = tmp_path / "child.txt"
+    script = ("import os, time; fg = os.tcgetpgrp(0) == os.getpgrp();"
+              f" open({str(info)!r}, 'w').write(f'{{os.getpid()}} {{fg}}'); time.sleep(60)")
+    argv = devicekit_command("run", "--", sys.executable, "-c", script)
+    env = child_env()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+        os.execve(argv[0], argv, env)
+    output = b""
+    status: int | None = None
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() or " " not in info.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child, foreground = info.read_text().split()
+        os.write(fd, b"\x03")  # Ctrl-C typed on the terminal
+        deadline = time.monotonic() + 20
+        while status is None:
+            assert time.monotonic() < deadline, f"devicekit run did not stop: {output!r}"
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = raw
+            elif select.select([fd], [], [], 0.1)[0]:
+                try:
+                    output += os.read(fd, 4096)
+                except OSError:
+                    pass
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert foreground == "True"  # the command owns the terminal (pdb, input() work)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT, output
+    assert not psutil.pid_exists(int(child)) or psutil.Process(int(child)).status() == psutil.STATUS_ZOMBIE
