@@ -90,9 +90,9 @@ def test_hanging_rank_is_named(no_leftover_children: None) -> None:
 
 
 def barrier_with_timeout() -> str:
-    dk.dist.init(timeout=2)
+    dk.dist.init(timeout=1)
     if dk.dist.env().rank == 1:
-        time.sleep(4)
+        time.sleep(3)
         return "late"
     start = time.monotonic()
     try:
@@ -104,7 +104,7 @@ def barrier_with_timeout() -> str:
 
 def test_init_timeout_applies() -> None:
     results = dk.launch(barrier_with_timeout, nprocs=2, backend=None, timeout=30)
-    assert results[0] in ("timed out after 2 s", "timed out after 3 s")
+    assert results[0] in ("timed out after 1 s", "timed out after 2 s")
 
 
 def not_picklable_result() -> object:

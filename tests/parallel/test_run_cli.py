@@ -50,6 +50,7 @@ def test_missing_command_is_one_line() -> None:
         (["--nnodes", "2", "--node-rank", "0"], "--master-addr"),
         (["--nnodes", "2", "--node-rank", "5", "--master-addr", "h"], "--node-rank 5"),
         (["--gpus", "many"], "'many'"),
+        (["--min-free", "10XB"], "'10XB'"),
     ],
 )
 def test_bad_flags_are_one_line(args: list[str], needle: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devicekit.errors import InvalidValueError, NoDeviceAvailable
+from devicekit.units import parse_size
 
 __all__ = ["Allocation", "allocate"]
 
@@ -98,6 +99,8 @@ def allocate(
 
     _positive("gpus_per_proc", gpus_per_proc)
     _positive("procs", procs)
+    if min_free_memory is not None:  # checked even where there is no GPU to filter
+        parse_size(min_free_memory, name="--min-free")
     if isinstance(gpus, str):
         if gpus.strip().lower() != "all":
             try:
