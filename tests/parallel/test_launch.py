@@ -118,3 +118,30 @@ def test_bad_arguments() -> None:
         dk.launch(train_tiny, 1, nprocs=1, timeout=0)
     with pytest.raises(dk.InvalidValueError, match="procs=0"):
         dk.launch(train_tiny, 1, nprocs=0)
+
+
+def die_hard_on_rank_one() -> str:
+    import signal
+
+    if dk.dist.env().rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # like the kernel's OOM killer
+    time.sleep(60)
+    return "unreachable"
+
+
+def test_rank_killed_by_a_signal_is_reported(no_leftover_children: None) -> None:
+    with pytest.raises(dk.RankFailedError) as info:
+        dk.launch(die_hard_on_rank_one, nprocs=2, backend=None)
+    assert info.value.rank == 1
+    assert str(info.value) == "rank 1 of 2 died with signal SIGKILL before returning"
+
+
+def exit_quietly() -> None:
+    import sys
+
+    sys.exit(0 if dk.dist.env().rank == 0 else 3)
+
+
+def test_sys_exit_in_a_rank() -> None:
+    with pytest.raises(dk.RankFailedError, match="rank 1 of 2 failed: SystemExit: 3"):
+        dk.launch(exit_quietly, nprocs=2, backend=None)

@@ -224,6 +224,7 @@ class _Job:
                 open_conns.pop(conn)
         if rank in self.results:
             return
+        self.procs[rank].join(timeout=5)  # the sentinel closes a moment before the exit status exists
         code = self.procs[rank].exitcode
         how = f"exit code {code}"
         if code is not None and code < 0:

@@ -79,6 +79,11 @@ def rank_main(
             dist.init(backend)
         value = fn(*args, **kwargs)
         message: tuple[Any, ...] = ("ok", value)
+    except SystemExit as exc:  # sys.exit() in a rank: 0/None is a normal end, anything else fails
+        if exc.code in (0, None):
+            message = ("ok", None)
+        else:
+            message = ("error", f"SystemExit: {exc.code}", traceback.format_exc())
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         message = ("error", summary, traceback.format_exc())
