@@ -145,3 +145,46 @@ def exit_quietly() -> None:
 def test_sys_exit_in_a_rank() -> None:
     with pytest.raises(dk.RankFailedError, match="rank 1 of 2 failed: SystemExit: 3"):
         dk.launch(exit_quietly, nprocs=2, backend=None)
+
+
+PARENT_SCRIPT = """
+import os, sys, time
+import devicekit as dk
+
+def sleeper(pid_dir):
+    open(os.path.join(pid_dir, f"{dk.dist.env().rank}.pid"), "w").write(str(os.getpid()))
+    time.sleep(60)
+
+if __name__ == "__main__":
+    dk.launch(sleeper, sys.argv[1], nprocs=2, backend=None)
+"""
+
+
+def test_ranks_die_with_a_killed_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import child_env
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=child_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.pid"))) < 2 or not all(
+                p.read_text() for p in tmp_path.glob("*.pid")):
+            assert time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.05)
+        ranks = [psutil.Process(int(p.read_text())) for p in tmp_path.glob("*.pid")]
+        parent.kill()  # SIGKILL: the parent cannot clean up; the ranks must notice alone
+        parent.wait(timeout=10)
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"orphaned ranks: {[p.pid for p in alive]}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for rank in ranks:
+            if rank.is_running():
+                rank.kill()

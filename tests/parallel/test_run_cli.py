@@ -80,6 +80,29 @@ def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> N
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    runner = subprocess.Popen(devicekit_command("run", "--", sys.executable, "-c", script),
+                              env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child = psutil.Process(int(pid_file.read_text()))
+        runner.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal must do it
+        runner.wait(timeout=10)
+        gone, alive = psutil.wait_procs([child], timeout=10)
+        assert not alive, "the child outlived devicekit run"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if child is not None and child.is_running():
+            child.kill()
+
+
 NODE_SCRIPT = textwrap.dedent(
     """
     import sys, torch, devicekit as dk
