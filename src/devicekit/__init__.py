@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "RankFailedError": "devicekit.errors:RankFailedError",
     "RankHangError": "devicekit.errors:RankHangError",
     "BatchSizeError": "devicekit.errors:BatchSizeError",
+    "GradientMismatchError": "devicekit.errors:GradientMismatchError",
     # units
     "parse_size": "devicekit.units:parse_size",
     "format_size": "devicekit.units:format_size",
@@ -96,9 +97,21 @@ _EXPORTS: dict[str, str] = {
     "ddp": "devicekit.parallel.ddp:ddp",
     "BalancedDataParallel": "devicekit.parallel.balanced_dp:BalancedDataParallel",
     "check_equivalence": "devicekit.parallel.equivalence:check_equivalence",
+    "EquivalenceReport": "devicekit.parallel.equivalence:EquivalenceReport",
+    "unwrap_model": "devicekit.parallel.ddp:unwrap_model",
+    "distributed_sampler": "devicekit.parallel.ddp:distributed_sampler",
+    "distributed_loader": "devicekit.parallel.ddp:distributed_loader",
+    "epochs": "devicekit.parallel.ddp:epochs",
+    "join": "devicekit.parallel.ddp:join",
+    "save_ddp_checkpoint": "devicekit.parallel.ddp:save_ddp_checkpoint",
+    "load_ddp_checkpoint": "devicekit.parallel.ddp:load_ddp_checkpoint",
     "split": "devicekit.parallel.split:split",
     "Pipeline": "devicekit.parallel.pipeline:Pipeline",
     "plan_devices": "devicekit.parallel.plan:plan_devices",
+    "SplitModel": "devicekit.parallel.split:SplitModel",
+    "Plan": "devicekit.parallel.partition:Plan",
+    "pipeline_stage": "devicekit.parallel.stages:pipeline_stage",
+    "DeferredBatchNorm": "devicekit.parallel.batchnorm:DeferredBatchNorm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -37,6 +37,7 @@ __all__ = [
     "RankHangError",
     "BatchSizeError",
     "LaunchError",
+    "GradientMismatchError",
 ]
 
 
@@ -144,3 +145,15 @@ class RankHangError(DistributedError):
 
 class BatchSizeError(DeviceKitError, RuntimeError):
     """No batch size down to ``minimum`` fits in memory."""
+
+
+class GradientMismatchError(DistributedError):
+    """A parallel set-up's gradients differ from the single-process reference.
+
+    ``report`` is the :class:`devicekit.parallel.equivalence.EquivalenceReport` with the
+    per-parameter differences and the diagnosis.
+    """
+
+    def __init__(self, message: str, report: object) -> None:
+        super().__init__(message)
+        self.report = report

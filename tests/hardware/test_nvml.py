@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from devicekit.errors import BackendError, NVMLUnavailableError
+from devicekit.errors import BackendError, InvalidValueError, NVMLUnavailableError
 from devicekit.hardware import inventory
 from devicekit.hardware.nvml import NVMLBackend, NVMLNotFound
 from tests.hardware.fake_pynvml import (
@@ -105,6 +105,13 @@ def test_utilization_is_averaged_over_the_window(fake_nvml):
     gpu = NVMLBackend(utilization_window=5.0).snapshot()[0]
     assert gpu.utilization == pytest.approx(50.0)
     assert gpu.memory_bandwidth_utilization == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("window", [0, -1, float("nan"), "5", True, 1e9])
+def test_bad_utilization_window(fake_nvml, window):
+    fake_nvml([FakeDevice(UUID0)])
+    with pytest.raises(InvalidValueError, match="utilization_window"):
+        NVMLBackend(utilization_window=window)
 
 
 def test_utilization_falls_back_to_one_reading(fake_nvml):

@@ -156,3 +156,10 @@ def test_status_does_not_create_the_lease_dir(simulate, tmp_path, monkeypatch):
     doc = collect_status().to_dict()
     assert not missing.exists() and doc["warnings"] == [] and doc["gpus"][0]["leases"] == []
     assert doc["gpus"][0]["mig_devices"][0]["memory_free"] == 9 * GiB
+
+
+def test_show_utilization_defaults_to_stdout(simulate, capsys):
+    simulate([h100(used="40GiB", util=50)])
+    assert dk.show_utilization() is None
+    out = capsys.readouterr().out
+    assert "40.0/80 GiB" in out and "50%" in out

@@ -3,9 +3,12 @@
 ``DEVICEKIT_LEASE_DIR`` (default ``/tmp/devicekit-leases``) is created sticky and world-writable
 (mode 1777, like ``/tmp``) so every user of the machine can lease but nobody can delete another
 user's lease files. A symlinked directory, a non-directory, one writable by others without the
-sticky bit, or one owned by another non-root user (who could delete or replace anyone's files)
-is refused with :class:`~devicekit.errors.LeaseError` naming it and the fix. The lock file
+sticky bit, or one owned by another user and not shared (mode 1777) is refused with :class:`~devicekit.errors.LeaseError` naming it and the fix. The lock file
 ``.lock`` serialises choose-and-reserve across processes.
+
+The first user to lease creates the default directory and so owns it; others still use it (it is
+mode 1777), and ``devicekit doctor`` warns that its owner could remove their lease files until an
+admin creates the directory as root (``sudo install -d -m 1777 /tmp/devicekit-leases``).
 
 Usage::
 
@@ -51,7 +54,7 @@ def lease_dir() -> Path:
     """The lease directory, created (mode 1777) if missing and checked for safety.
 
     Raises :class:`~devicekit.errors.LeaseError` when it is a symlink, not a directory, owned by
-    another non-root user, or writable by others without the sticky bit.
+    another user without being shared (mode 1777), or writable by others without the sticky bit.
     """
     raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
     path = Path(raw).expanduser()
@@ -85,10 +88,11 @@ def check_directory(path: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise LeaseError(f"lease directory {str(path)!r} is not a directory; {fix}")
     me = os.geteuid()
-    if info.st_uid not in (0, me):
+    shared = stat.S_IMODE(info.st_mode) & 0o1777 == 0o1777
+    if info.st_uid not in (0, me) and not shared:
         raise LeaseError(
-            f"lease directory {str(path)!r} is owned by {user_name(info.st_uid)}, who could delete "
-            f"or replace anyone's leases; {fix}"
+            f"lease directory {str(path)!r} is owned by {user_name(info.st_uid)} and not shared "
+            f"(mode 1777); {fix}"
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
         raise LeaseError(

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from devicekit.errors import BackendError, NVMLUnavailableError
+from devicekit.errors import BackendError, InvalidValueError, NVMLUnavailableError
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
 
 __all__ = ["NVMLBackend", "NVMLNotFound", "DEFAULT_UTILIZATION_WINDOW"]
@@ -90,6 +90,11 @@ class NVMLBackend:
     name = "nvml"
 
     def __init__(self, utilization_window: float = DEFAULT_UTILIZATION_WINDOW) -> None:
+        if isinstance(utilization_window, bool) or not isinstance(utilization_window, (int, float)) \
+                or not 0 < utilization_window <= 3600:
+            raise InvalidValueError(
+                f"utilization_window {utilization_window!r} must be a number of seconds in (0, 3600]"
+            )
         self.utilization_window = float(utilization_window)
         self._nvml = _load_pynvml()
         self._unsupported = _error_classes(self._nvml, _UNSUPPORTED_ERRORS)

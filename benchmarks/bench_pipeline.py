@@ -1,0 +1,223 @@
+"""Pipeline vs naive split on CPU, and devicekit's balancer vs accelerate's device map.
+
+Run: ``/work/main/.venv/bin/python benchmarks/bench_pipeline.py`` (about a minute on 2 cores).
+
+Part 1: an 8-layer MLP split over two CPU "devices" (``["cpu", "cpu"]``). The naive split
+(``dk.split``) runs the parts one after another; ``dk.Pipeline`` cuts each batch into ``chunks``
+micro-batches and runs the two stages in two threads. torch's intra-op threads are limited to 1
+(``torch.set_num_threads(1)``) so that each stage owns one core and the two can overlap: with
+torch's default (all cores per op) the stages would fight for the same cores. The forward pass is
+measured (what overlaps on CPU: torch's autograd engine runs CPU backward on the calling
+thread, so a CPU backward is serial; on GPUs it has one thread per device). Idle fraction
+measured = 1 - sum(stage busy time) / (stages x wall time), beside GPipe's prediction
+(n-1)/(m+n-1) for equal stages.
+
+Part 2: how evenly each method cuts an uneven model (embedding, 8 transformer layers, big
+output head; built on the meta device) into 2 and 4 parts, scored by the cost devicekit
+balances (training memory: weights + grads + adam state + saved activations): largest part /
+mean part (1.00 is perfect). Compared: devicekit's ``balance="size"``, accelerate's
+``infer_auto_device_map`` (with ``get_balanced_memory``, and with equal budgets), and an equal
+layer count per part. torchgpipe (``balance_by_size``/``balance_by_time``) is not installed
+here, so it is not in the table.
+
+Part 3: the same for ``balance="time"`` on a small real model: per-layer forward+backward time,
+devicekit's cut against an equal layer count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import devicekit as dk
+from devicekit.parallel.balance import max_over_mean, part_costs
+from devicekit.parallel.layer_profile import optimizer_factor, profile_layers, sequential_layers
+from devicekit.parallel.schedule import bubble_fraction
+from devicekit.parallel.split import build_plan
+
+ROUNDS = 9
+
+
+def mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def interleaved(methods: dict, rounds: int = ROUNDS) -> dict:
+    """Fastest run of each method; methods take turns, so load from other processes hits all alike."""
+    for fn in methods.values():
+        fn()  # warm up
+    best = {name: float("inf") for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+class PartClock:
+    """Busy time of each part of a naive split, from forward pre/post hooks."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.busy = [0.0] * len(parts)
+        self._start = 0.0
+        for i, part in enumerate(parts):
+            part.register_forward_pre_hook(self._pre)
+            part.register_forward_hook(lambda *_, i=i: self._post(i))
+
+    def _pre(self, *_: object) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, i: int) -> None:
+        self.busy[i] += time.perf_counter() - self._start
+
+
+def part1() -> None:
+    torch.set_num_threads(1)
+    batch = torch.randn(512, 1024)
+    print("Part 1: forward throughput, 8 x Linear(1024) + ReLU, batch 512, devices ['cpu', 'cpu'], "
+          "torch.set_num_threads(1)")
+    naive = dk.split(mlp(), ["cpu", "cpu"], balance=[8, 8])
+    clock = PartClock(naive.parts)
+    idle_naive: list[float] = []
+
+    def run_naive() -> None:
+        clock.busy = [0.0, 0.0]
+        start = time.perf_counter()
+        naive(batch)
+        idle_naive.append(1 - sum(clock.busy) / (2 * (time.perf_counter() - start)))
+
+    pipes = {chunks: dk.Pipeline(mlp(), ["cpu", "cpu"], chunks=chunks, balance=[8, 8], checkpoint="never")
+             for chunks in (1, 2, 4, 8)}
+    idles: dict[int, list[float]] = {chunks: [] for chunks in pipes}
+
+    def run_pipe(chunks: int) -> None:
+        pipe = pipes[chunks]
+        pipe(batch)
+        assert pipe.last_run is not None
+        idles[chunks].append(pipe.last_run.idle_fraction)
+
+    methods = {0: run_naive, **{c: (lambda c=c: run_pipe(c)) for c in pipes}}
+    with torch.no_grad():
+        best = interleaved(methods)
+    base = best[0]
+    print(f"{'method':<24}{'samples/s':>12}{'ratio vs naive':>16}{'idle measured':>15}{'idle predicted':>16}")
+    print(f"{'naive split (dk.split)':<24}{len(batch) / base:>12.0f}{1.0:>16.2f}"
+          f"{statistics.median(idle_naive):>15.1%}{bubble_fraction(1, 2):>16.1%}")
+    for chunks in pipes:
+        seconds = best[chunks]
+        print(f"{f'Pipeline chunks={chunks}':<24}{len(batch) / seconds:>12.0f}{base / seconds:>16.2f}"
+              f"{statistics.median(idles[chunks]):>15.1%}{bubble_fraction(chunks, 2):>16.1%}")
+    # one training step, for completeness (backward is serial on CPU, see the module doc)
+    train = interleaved({"naive": lambda: naive(batch).sum().backward(),
+                         "pipe": lambda: pipes[4](batch).sum().backward()})
+    print(f"training step (fwd+bwd): naive {train['naive'] * 1e3:.0f} ms, Pipeline chunks=4 "
+          f"{train['pipe'] * 1e3:.0f} ms, ratio {train['naive'] / train['pipe']:.2f}")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def uneven_model() -> nn.Sequential:
+    with torch.device("meta"):
+        encoder = [nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True) for _ in range(8)]
+        return nn.Sequential(nn.Embedding(32000, 512), *encoder, nn.LayerNorm(512), nn.Linear(512, 32000))
+
+
+def accelerate_counts(model: nn.Module, parts: int, balanced: bool) -> list[int] | str:
+    try:
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+    except ImportError:
+        return "accelerate not installed"
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    keep = ["TransformerEncoderLayer"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if balanced:
+            budget = get_balanced_memory(model, max_memory={i: weights for i in range(parts)},
+                                         no_split_module_classes=keep)
+            device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=keep)
+        else:  # the smallest equal budget per device that accelerate fills without spilling
+            for slack in (1.05, 1.25, 1.5, 2.0, 3.0):
+                budget = {i: int(weights / parts * slack) for i in range(parts)}
+                device_map = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=keep)
+                if not any(isinstance(d, str) for d in device_map.values()):
+                    break
+    if any(isinstance(d, str) for d in device_map.values()):
+        return f"spilled to {sorted({d for d in device_map.values() if isinstance(d, str)})}"
+    return [sum(1 for d in device_map.values() if d == i) for i in range(parts)]
+
+
+def part2() -> None:
+    model = uneven_model()
+    layers = sequential_layers(model)
+    sample = torch.empty(8, 512, dtype=torch.long, device="meta")
+    costs = [c.memory(training=True, optimizer=optimizer_factor("adam"))
+             for c in profile_layers(layers, sample)]
+    print()
+    print("Part 2: balance of an uneven model (embedding 32000x512, 8 encoder layers, head 512x32000; "
+          "meta device, batch 8 x 512 tokens), cost = training memory with adam")
+    print(f"{'method':<44}{'parts':>6}  {'layers per part':<24}{'largest/mean':>13}{'ratio vs dk':>12}")
+    for parts in (2, 4):
+        ours = build_plan(layers, [torch.device("meta")] * parts, sample=sample).counts
+        rows: list[tuple[str, list[int] | str]] = [
+            ("devicekit balance='size'", ours),
+            ("accelerate get_balanced_memory + device map", accelerate_counts(model, parts, True)),
+            ("accelerate device map, equal budgets*", accelerate_counts(model, parts, False)),
+            ("equal layer count", [len(layers) // parts + (i < len(layers) % parts) for i in range(parts)]),
+        ]
+        best = max_over_mean(part_costs(costs, ours))
+        for name, counts in rows:
+            if isinstance(counts, str):
+                print(f"{name:<44}{parts:>6}  {counts}")
+                continue
+            value = max_over_mean(part_costs(costs, counts))
+            print(f"{name:<44}{parts:>6}  {str(counts):<24}{value:>13.2f}{value / best:>12.2f}")
+    print("* the smallest equal per-device budget (x1.05, 1.25, 1.5, 2, 3 of weights/parts) that "
+          "accelerate fills without spilling to cpu/disk")
+    print("torchgpipe balance_by_size / balance_by_time: not available (not installed), not compared")
+
+
+def part3() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    encoder = [nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(6)]
+    model = nn.Sequential(nn.Embedding(8000, 256), *encoder, nn.Linear(256, 8000))
+    sample = torch.randint(0, 8000, (8, 64))
+    layers = sequential_layers(model)
+    times = [c.seconds or 0.0 for c in profile_layers(layers, sample, measure_time=True)]
+    print()
+    print("Part 3: balance by time (embedding 8000x256, 6 encoder layers, head 256x8000; real model, "
+          "batch 8 x 64 tokens), cost = measured forward+backward seconds per layer")
+    print(f"{'method':<44}{'parts':>6}  {'layers per part':<24}{'largest/mean':>13}{'ratio vs dk':>12}")
+    for parts in (2, 4):
+        ours = build_plan(layers, [torch.device("cpu")] * parts, balance="time", sample=sample).counts
+        equal = [len(layers) // parts + (i < len(layers) % parts) for i in range(parts)]
+        best = max_over_mean(part_costs(times, ours))
+        for name, counts in (("devicekit balance='time'", ours), ("equal layer count", equal)):
+            value = max_over_mean(part_costs(times, counts))
+            print(f"{name:<44}{parts:>6}  {str(counts):<24}{value:>13.2f}{value / best:>12.2f}")
+    print("(devicekit re-times the layers when it plans, so its own cut is scored on a second, noisy "
+          "measurement; accelerate has no time-based device map)")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+if __name__ == "__main__":
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+          f"torch {torch.__version__}, CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0}, "
+          f"load average {os.getloadavg()[0]:.1f} (other processes compete for the cores)")
+    if not torch.cuda.is_available():
+        print("(no CUDA GPU: the GPU pipeline comparison is skipped; run this on a multi-GPU machine for it)")
+    part1()
+    part2()
+    part3()

@@ -1,0 +1,149 @@
+"""GPipe-style pipeline: a split model fed with micro-batches so its devices work at once.
+
+Each batch is cut into ``chunks`` micro-batches; at every clock tick stage ``j`` runs
+micro-batch ``k - j`` in its own worker thread, so while the second device works on the first
+micro-batch the first device starts the second. Outputs are joined, so ``loss.backward()``
+gives the same gradients as the unsplit model (models whose layers treat samples
+independently; BatchNorm normalises per micro-batch, see below). Options:
+
+* ``checkpoint``: ``"except_last"`` (default, as torchgpipe), ``"always"`` or ``"never"``:
+  checkpointed micro-batches keep only their part's input and recompute the rest on backward.
+* BatchNorm layers become :class:`~devicekit.parallel.batchnorm.DeferredBatchNorm` (same
+  tensors): running statistics are updated once per mini-batch with the whole mini-batch's
+  statistics, as a non-pipelined run would. ``deferred_batch_norm=False`` keeps plain BatchNorm.
+
+On CPU (``["cpu", "cpu"]``) the forward passes overlap in threads; the backward pass runs in
+torch's autograd engine, which runs CPU work on the calling thread (on GPUs it has one thread
+per device). For processes and machines see :func:`devicekit.parallel.stages.pipeline_stage`.
+
+Usage::
+
+    import devicekit as dk
+
+    pipe = dk.Pipeline(model, ["cuda:0", "cuda:1"], chunks=8, sample=batch)
+    loss = loss_fn(pipe(batch), target.to(pipe.devices[-1]))
+    loss.backward()
+    print(pipe.plan)                  # the split
+    print(pipe.last_run)              # measured idle fraction vs (n-1)/(m+n-1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicekit.errors import InvalidValueError
+from devicekit.parallel.batchnorm import DeferredBatchNorm
+from devicekit.parallel.microbatch import gather, move, scatter
+from devicekit.parallel.partition import Plan
+from devicekit.parallel.recompute import CHECKPOINT_MODES, checkpoint_stop, checkpointed
+from devicekit.parallel.schedule import bubble_fraction, clock_cycles
+from devicekit.parallel.split import Balance, make_parts, resolve
+from devicekit.parallel.worker import StageWorkers
+
+__all__ = ["Pipeline", "PipelineRun"]
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """Timing of the last forward: wall time and per-stage busy time."""
+
+    microbatches: int
+    stages: int
+    wall_seconds: float
+    busy_seconds: tuple[float, ...]
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of stage-time spent waiting: 1 - sum(busy) / (stages * wall)."""
+        if self.wall_seconds <= 0:
+            return 0.0
+        return max(0.0, 1.0 - sum(self.busy_seconds) / (self.stages * self.wall_seconds))
+
+    @property
+    def predicted_idle_fraction(self) -> float:
+        return bubble_fraction(self.microbatches, self.stages)
+
+    def __str__(self) -> str:
+        return (f"{self.microbatches} micro-batch(es) x {self.stages} stage(s): "
+                f"{self.wall_seconds * 1e3:.1f} ms, idle {self.idle_fraction:.1%} "
+                f"(schedule predicts {self.predicted_idle_fraction:.1%} for equal stages)")
+
+
+class Pipeline(nn.Module):
+    """A sequential model split over ``devices`` and run on micro-batches (see module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        devices: Sequence[Any] | Plan,
+        *,
+        chunks: int,
+        balance: Balance = "size",
+        sample: Any = None,
+        optimizer: str | float | None = "adam",
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise InvalidValueError(f"chunks {chunks!r} must be a positive int (micro-batches per batch)")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise InvalidValueError(f"checkpoint {checkpoint!r} is unknown; use one of {', '.join(CHECKPOINT_MODES)}")
+        if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
+            model = DeferredBatchNorm.convert(model)
+        layers, plan = resolve(model, devices, balance, sample, optimizer)
+        DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
+        parts = make_parts(layers, plan)
+        self.module = model
+        self._parts = parts
+        self.plan = plan
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.last_run: PipelineRun | None = None
+
+    @property
+    def parts(self) -> list[nn.Sequential]:
+        return list(self._parts)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.plan.devices
+
+    def _task(self, stage: int, x: Any, recompute: bool) -> Any:
+        x = move(x, self.plan.devices[stage])
+        part = self._parts[stage]
+        return checkpointed(part, x) if recompute else part(x)
+
+    def forward(self, x: Any) -> Any:
+        batches = scatter(x, self.chunks)
+        m, n = len(batches), len(self._parts)
+        stop = checkpoint_stop(self.checkpoint, m) if torch.is_grad_enabled() else 0
+        start = time.perf_counter()
+        workers = StageWorkers(self.plan.devices)
+        try:
+            with workers:
+                for tick in clock_cycles(m, n):
+                    for i, j in tick:
+                        workers.submit(j, partial(self._task, j, batches[i], i < stop))
+                    for i, j in tick:
+                        batches[i] = workers.result(j)
+        except BaseException:
+            for part in self._parts:
+                DeferredBatchNorm.commit_all(part, discard=True)
+            raise
+        if self.training:
+            for part in self._parts:
+                DeferredBatchNorm.commit_all(part)
+        self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(workers.busy_seconds))
+        return gather(batches)
+
+    def extra_repr(self) -> str:
+        return (f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}, "
+                f"chunks={self.chunks}, checkpoint={self.checkpoint!r}")

@@ -1,0 +1,55 @@
+"""Activation checkpointing for pipeline micro-batches: drop activations, recompute on backward.
+
+A thin layer over :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, RNG state
+preserved, so dropout draws the same mask twice) that also tells layers whether they are running
+for the first time or being recomputed during backward: :func:`is_recomputing` lets
+:class:`~devicekit.parallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
+
+Usage::
+
+    from devicekit.parallel.recompute import checkpointed, is_recomputing
+
+    out = checkpointed(part, x)   # like part(x), but activations are recomputed on backward
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop"]
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed part is re-running its forward during backward (this thread)."""
+    return bool(getattr(_state, "recomputing", False))
+
+
+def checkpoint_stop(mode: str, microbatches: int) -> int:
+    """How many leading micro-batches are checkpointed under ``mode``."""
+    return {"never": 0, "except_last": max(microbatches - 1, 0), "always": microbatches}[mode]
+
+
+def checkpointed(module: nn.Module, x: Any) -> Any:
+    """``module(x)`` without keeping its activations; they are recomputed when backward needs them."""
+    calls = 0
+
+    def body(inp: Any) -> Any:
+        nonlocal calls
+        previous = is_recomputing()
+        _state.recomputing = calls > 0
+        calls += 1
+        try:
+            return module(inp)
+        finally:
+            _state.recomputing = previous
+
+    return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)

@@ -1,0 +1,213 @@
+"""Split an ``nn.Sequential`` into consecutive parts on several devices (model parallelism).
+
+What the seeds do by hand (``sub_network1.cuda(0)``, ``x = x.cuda(1)`` inside ``forward``),
+done for any ``nn.Sequential``: the layers are cut into balanced consecutive parts, each part is
+moved to its device, and ``forward`` moves activations from part to part, so autograd carries
+gradients back across devices. Input goes in on the first device, output comes out on the last.
+Devices may repeat and may be ``"cpu"`` (offload). Only ``nn.Sequential`` is accepted: the
+children of any other module need not run in the order they are listed (branches, skip
+connections), so splitting by children would be silently wrong.
+
+Usage::
+
+    import torch
+    from torch import nn
+    import devicekit as dk
+
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    model = dk.split(model, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
+    print(model.plan)                 # parts, layers, parameters, memory, balance
+    out = model(x)                    # x may live anywhere; out is on cuda:1
+    dk.split(model, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicekit.errors import InvalidValueError, SplitError
+from devicekit.parallel.balance import balance_cost
+from devicekit.parallel.device_list import parse_devices
+from devicekit.parallel.layer_profile import (
+    LayerCost,
+    optimizer_factor,
+    profile_layers,
+    sequential_layers,
+)
+from devicekit.parallel.microbatch import move
+from devicekit.parallel.partition import Part, Plan
+
+__all__ = ["split", "SplitModel", "build_plan", "check_counts", "make_parts"]
+
+Balance = str | Sequence[int]
+
+
+def check_counts(counts: Any, layers: int, parts: int) -> list[int]:
+    """Validate explicit layer counts: ``parts`` positive ints summing to ``layers``."""
+    try:
+        values = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise InvalidValueError(f"balance {counts!r} is not a list of layer counts; e.g. [3, 2]") from None
+    if any(isinstance(c, bool) for c in counts) or any(v < 1 for v in values):
+        raise InvalidValueError(f"balance {counts!r} must hold positive layer counts, one per device")
+    if len(values) != parts:
+        raise InvalidValueError(f"balance {counts!r} has {len(values)} entries for {parts} device(s); give one per device")
+    if sum(values) != layers:
+        raise InvalidValueError(f"balance {counts!r} sums to {sum(values)} but the model has {layers} layers")
+    return values
+
+
+def build_plan(
+    layers: list[tuple[str, nn.Module]],
+    devices: list[torch.device],
+    *,
+    balance: Balance = "size",
+    sample: Any = None,
+    optimizer: str | float | None = "adam",
+) -> Plan:
+    """Measure the layers and cut them into ``len(devices)`` balanced parts."""
+    factor = optimizer_factor(optimizer)
+    reasons: list[str] = []
+    if isinstance(balance, str):
+        if balance not in ("size", "time"):
+            raise InvalidValueError(f"balance {balance!r} is unknown; use 'size', 'time' or a list of layer counts")
+        if len(devices) > len(layers):
+            raise SplitError(
+                f"cannot cut {len(layers)} layer(s) into {len(devices)} parts; pass at most {len(layers)} devices"
+            )
+        costs = profile_layers(layers, sample, measure_time=balance == "time")
+        weights = ([c.seconds or 0.0 for c in costs] if balance == "time"
+                   else [c.memory(training=True, optimizer=factor) for c in costs])
+        counts = balance_cost(weights, len(devices))
+        basis = balance
+        if sample is None:
+            reasons.append("no sample given: activations are not counted; pass sample=<a batch> to count them")
+    else:
+        counts = check_counts(balance, len(layers), len(devices))
+        costs = profile_layers(layers, sample)
+        basis = "given"
+    reasons.append(f"{len(layers)} layers cut into {len(devices)} consecutive parts: {counts}")
+    return plan_from_counts(layers, costs, devices, counts, basis=basis, optimizer=factor, reasons=reasons)
+
+
+def plan_from_counts(
+    layers: list[tuple[str, nn.Module]],
+    costs: list[LayerCost],
+    devices: Sequence[torch.device],
+    counts: Sequence[int],
+    *,
+    basis: str,
+    optimizer: float,
+    training: bool = True,
+    reasons: list[str] | None = None,
+    budgets: Sequence[int | None] | None = None,
+) -> Plan:
+    """A :class:`Plan` from layer counts per device (zero-count devices are left out)."""
+    parts: list[Part] = []
+    start = 0
+    for i, (device, count) in enumerate(zip(devices, counts, strict=True)):
+        if count == 0:
+            continue
+        chunk = costs[start:start + count]
+        seconds = [c.seconds for c in chunk]
+        memory = sum(c.memory(training=training, optimizer=optimizer) for c in chunk)
+        memory += max((c.transient_bytes for c in chunk), default=0)  # peak working set
+        parts.append(Part(
+            index=len(parts), device=device, start=start, stop=start + count,
+            layer_names=tuple(name for name, _ in layers[start:start + count]),
+            parameters=sum(c.parameters for c in chunk), memory=int(memory),
+            seconds=None if any(s is None for s in seconds) else float(sum(s or 0.0 for s in seconds)),
+            budget=None if budgets is None else budgets[i],
+        ))
+        start += count
+    if training:
+        what = (f"training, optimizer state = {optimizer:g}x weights: weights + grads + state + saved "
+                "activations + the largest layer's input and output")
+    else:
+        what = "inference: weights + buffers + the largest layer's input and output"
+    return Plan(parts=parts, basis=basis, memory_basis=what, reasons=list(reasons or []))
+
+
+def make_parts(layers: list[tuple[str, nn.Module]], plan: Plan) -> list[nn.Sequential]:
+    """Move each part's layers to its device and wrap them in an ``nn.Sequential``."""
+    parts = []
+    for part in plan.parts:
+        chunk = layers[part.start:part.stop]
+        seq = nn.Sequential(OrderedDict((name.replace(".", "_"), layer) for name, layer in chunk))
+        if part.device.type != "meta" and any(
+            t.device.type == "meta" for t in (*seq.parameters(), *seq.buffers())
+        ):
+            raise SplitError(
+                f"layers {part.layer_range} have parameters on the meta device and cannot move to "
+                f"{part.device}; use dk.plan_devices on the meta model, then build the real model and split it"
+            )
+        parts.append(seq.to(part.device))
+    return parts
+
+
+class SplitModel(nn.Module):
+    """A sequential model whose parts live on different devices; ``forward`` hands activations on.
+
+    ``module`` is the original model (same parameters, same state_dict keys with a ``module.``
+    prefix); ``parts`` are its consecutive slices, ``plan`` says where each one went.
+    """
+
+    def __init__(self, module: nn.Module, parts: list[nn.Sequential], plan: Plan) -> None:
+        super().__init__()
+        self.module = module
+        self._parts = parts
+        self.plan = plan
+
+    @property
+    def parts(self) -> list[nn.Sequential]:
+        return list(self._parts)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.plan.devices
+
+    def forward(self, x: Any) -> Any:
+        for device, part in zip(self.plan.devices, self._parts, strict=True):
+            x = part(move(x, device))
+        return x
+
+    def extra_repr(self) -> str:
+        return f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}"
+
+
+def resolve(
+    model: nn.Module, devices: Any, balance: Balance, sample: Any, optimizer: str | float | None
+) -> tuple[list[tuple[str, nn.Module]], Plan]:
+    """The layers of ``model`` and the plan for ``devices`` (a device list or a ready Plan)."""
+    layers = sequential_layers(model)
+    if isinstance(devices, Plan):
+        counts = devices.counts
+        if sum(counts) != len(layers):
+            raise SplitError(f"plan covers {sum(counts)} layers but the model has {len(layers)}; plan this model")
+        parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        return layers, devices
+    return layers, build_plan(layers, parse_devices(devices), balance=balance, sample=sample, optimizer=optimizer)
+
+
+def split(
+    model: nn.Module,
+    devices: Sequence[Any] | Plan,
+    *,
+    balance: Balance = "size",
+    sample: Any = None,
+    optimizer: str | float | None = "adam",
+) -> SplitModel:
+    """Cut ``model`` (an ``nn.Sequential``) into parts on ``devices``; return the split model.
+
+    ``devices``: a list (repeats and ``"cpu"`` allowed) or a :class:`Plan` from
+    ``dk.plan_devices``. ``balance``: ``"size"`` (weights, grads, ``optimizer`` state and, with
+    a ``sample``, saved activations), ``"time"`` (forward+backward per layer on ``sample``) or
+    a list of layer counts. The parameters move; the model object is reused, not copied.
+    """
+    layers, plan = resolve(model, devices, balance, sample, optimizer)
+    return SplitModel(model, make_parts(layers, plan), plan)

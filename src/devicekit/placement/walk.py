@@ -1,0 +1,291 @@
+"""Walking nested batches: one traversal that rebuilds every container kind around new leaves.
+
+``to_device`` and ``pin_memory`` are both "do something to each tensor, keep everything else";
+this module is the shared walk. A :class:`Walk` dispatches on the exact type of each object
+through a dict (resolved once per type, then cached), keeps a memo from ``id(source)`` to result
+so shared objects stay shared and self-containing lists terminate, and rebuilds containers with
+their own type: dict, OrderedDict, defaultdict (its factory kept), other mappings; list, tuple,
+namedtuple and their subclasses; dataclasses (frozen too). Tensors, modules and objects with a
+``.to()``/``pin_memory()`` go to the walk's operations; everything else is returned as is.
+
+Usage::
+
+    from devicekit.placement.walk import Walk, iter_tensors
+
+    double = Walk(None, lambda walk, t: t * 2, lambda walk, o: o, lambda walk, m: m, frozenset())
+    double({"a": torch.ones(2), "b": [torch.ones(1), "text"]})
+    list(iter_tensors(batch))          # each tensor once, modules' parameters and buffers too
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import numbers
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from devicekit.errors import PlacementError
+
+__all__ = ["Walk", "iter_tensors", "LEAF_TYPES"]
+
+_MISSING = object()
+
+
+class Walk:
+    """One traversal: the target, the tensor operation, and the memo that keeps aliasing."""
+
+    __slots__ = ("device", "tensor_op", "object_op", "module_op", "skip", "non_blocking", "memo")
+
+    def __init__(
+        self,
+        device: torch.device | None,
+        tensor_op: Callable[[Walk, Tensor], Tensor],
+        object_op: Callable[[Walk, Any], Any],
+        module_op: Callable[[Walk, nn.Module], nn.Module],
+        skip: frozenset[Any],
+        non_blocking: bool | None = None,
+    ) -> None:
+        self.device = device
+        self.tensor_op = tensor_op
+        self.object_op = object_op
+        self.module_op = module_op
+        self.skip = skip
+        self.non_blocking = non_blocking
+        self.memo: dict[int, Any] = {}
+
+    def __call__(self, obj: Any) -> Any:
+        handler = _HANDLERS.get(type(obj))
+        if handler is None:
+            handler = _resolve(type(obj))
+        return handler(self, obj)
+
+
+# -- handlers: (walk, obj) -> new obj -------------------------------------------------------------
+
+
+def _leaf(walk: Walk, obj: Any) -> Any:
+    return obj
+
+
+def _tensor(walk: Walk, obj: Tensor) -> Tensor:
+    found = walk.memo.get(id(obj), _MISSING)
+    if found is _MISSING:
+        found = walk.tensor_op(walk, obj)
+        walk.memo[id(obj)] = found
+    return found
+
+
+def _module(walk: Walk, obj: nn.Module) -> nn.Module:
+    if id(obj) not in walk.memo:
+        walk.memo[id(obj)] = walk.module_op(walk, obj)
+    return walk.memo[id(obj)]
+
+
+def _custom(walk: Walk, obj: Any) -> Any:
+    found = walk.memo.get(id(obj), _MISSING)
+    if found is _MISSING:
+        found = walk.object_op(walk, obj)
+        walk.memo[id(obj)] = found
+    return found
+
+
+def _list(walk: Walk, obj: list[Any]) -> list[Any]:
+    memo = walk.memo
+    found = memo.get(id(obj))
+    if found is not None:
+        return found
+    out: list[Any] = []
+    memo[id(obj)] = out  # registered before the items: a list that holds itself works
+    device = walk.device
+    out += [x if type(x) is Tensor and x.device == device else walk(x) for x in obj]
+    return out
+
+
+def _tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
+    found = walk.memo.get(id(obj))
+    if found is not None:
+        return found
+    device = walk.device
+    out = tuple([x if type(x) is Tensor and x.device == device else walk(x) for x in obj])
+    walk.memo[id(obj)] = out
+    return out
+
+
+def _dict(walk: Walk, obj: dict[Any, Any]) -> dict[Any, Any]:
+    memo = walk.memo
+    found = memo.get(id(obj))
+    if found is not None:
+        return found
+    out: dict[Any, Any] = {}
+    memo[id(obj)] = out
+    device, skip = walk.device, walk.skip
+    if skip:
+        out.update({k: v if k in skip else walk(v) for k, v in obj.items()})
+    else:
+        out.update(
+            {
+                k: v if type(v) is Tensor and v.device == device else walk(v)
+                for k, v in obj.items()
+            }
+        )
+    return out
+
+
+def _mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
+    """OrderedDict, defaultdict, Counter, UserDict, other mappings: same type, same extras."""
+    found = walk.memo.get(id(obj))
+    if found is not None:
+        return found
+    skip = walk.skip
+    if isinstance(obj, MutableMapping):
+        out = copy.copy(obj)  # keeps default_factory, order and instance attributes
+        walk.memo[id(obj)] = out
+        for k, v in obj.items():
+            if k not in skip:
+                new = walk(v)
+                if new is not v:
+                    out[k] = new
+        return out
+    items = {k: v if k in skip else walk(v) for k, v in obj.items()}
+    try:
+        out = type(obj)(items)
+    except TypeError as err:
+        raise PlacementError(
+            f"cannot rebuild mapping of type {type(obj).__qualname__} from a dict ({err}); "
+            "give it a .to(device) method or pass a dict"
+        ) from None
+    walk.memo[id(obj)] = out
+    return out
+
+
+def _namedtuple(walk: Walk, obj: Any) -> Any:
+    found = walk.memo.get(id(obj))
+    if found is None:
+        device = walk.device
+        found = type(obj)._make(
+            [x if type(x) is Tensor and x.device == device else walk(x) for x in obj]
+        )
+        walk.memo[id(obj)] = found
+    return found
+
+
+def _tuple_subclass(walk: Walk, obj: tuple[Any, ...]) -> Any:
+    found = walk.memo.get(id(obj))
+    if found is None:
+        try:
+            found = type(obj)([walk(x) for x in obj])
+        except TypeError as err:
+            raise PlacementError(
+                f"cannot rebuild tuple subclass {type(obj).__qualname__} from its items ({err}); "
+                "make it a namedtuple or give it a .to(device) method"
+            ) from None
+        walk.memo[id(obj)] = found
+    return found
+
+
+def _list_subclass(walk: Walk, obj: list[Any]) -> Any:
+    found = walk.memo.get(id(obj))
+    if found is None:
+        found = copy.copy(obj)  # keeps the subclass and its attributes
+        walk.memo[id(obj)] = found
+        found[:] = [walk(x) for x in obj]
+    return found
+
+
+def _dataclass(walk: Walk, obj: Any) -> Any:
+    """A shallow copy with moved fields; works for frozen, slotted and init=False fields."""
+    found = walk.memo.get(id(obj))
+    if found is not None:
+        return found
+    out = copy.copy(obj)
+    walk.memo[id(obj)] = out
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name, _MISSING)
+        if value is _MISSING:
+            continue
+        new = walk(value)
+        if new is not value:
+            object.__setattr__(out, field.name, new)
+    return out
+
+
+_HANDLERS: dict[type, Callable[[Walk, Any], Any]] = {
+    Tensor: _tensor,
+    nn.Parameter: _tensor,
+    list: _list,
+    tuple: _tuple,
+    dict: _dict,
+    torch.Size: _leaf,
+    torch.device: _leaf,
+    torch.dtype: _leaf,
+    type(None): _leaf,
+    bool: _leaf,
+    int: _leaf,
+    float: _leaf,
+    complex: _leaf,
+    str: _leaf,
+    bytes: _leaf,
+    bytearray: _leaf,
+    range: _leaf,
+    slice: _leaf,
+    type(Ellipsis): _leaf,
+}
+LEAF_TYPES = (str, bytes, bytearray, numbers.Number, enum.Enum, type, torch.Size)
+
+
+def _resolve(cls: type) -> Callable[[Walk, Any], Any]:
+    """The handler for a type not seen before, cached by type."""
+    if issubclass(cls, Tensor):
+        handler = _tensor
+    elif issubclass(cls, nn.Module):
+        handler = _module
+    elif issubclass(cls, LEAF_TYPES):
+        handler = _leaf
+    elif callable(getattr(cls, "to", None)) or callable(getattr(cls, "pin_memory", None)):
+        handler = _custom
+    elif issubclass(cls, dict) or issubclass(cls, Mapping):
+        handler = _mapping
+    elif issubclass(cls, tuple):
+        handler = _namedtuple if hasattr(cls, "_fields") and hasattr(cls, "_make") else _tuple_subclass
+    elif issubclass(cls, list):
+        handler = _list_subclass
+    elif dataclasses.is_dataclass(cls):
+        handler = _dataclass
+    else:
+        handler = _leaf
+    if len(_HANDLERS) < 4096:
+        _HANDLERS[cls] = handler
+    return handler
+
+
+def iter_tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor in ``obj`` (a tensor, module, or nested batch), each once."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        if isinstance(item, Tensor):
+            seen.add(id(item))
+            yield item
+        elif isinstance(item, nn.Module):
+            seen.add(id(item))
+            stack.extend(item.parameters())
+            stack.extend(item.buffers())
+        elif isinstance(item, LEAF_TYPES) or item is None:
+            continue
+        elif isinstance(item, Mapping):
+            seen.add(id(item))
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            seen.add(id(item))
+            stack.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            seen.add(id(item))
+            stack.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))

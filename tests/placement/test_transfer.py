@@ -1,0 +1,215 @@
+"""to_device / pin_memory / device_of: the cases the property tests do not generate."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import devicekit as dk
+from devicekit.placement import devices
+
+
+def test_module_moves_in_place_and_is_returned() -> None:
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    out = dk.to_device(model, "meta")
+    assert out is model
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_module_inside_a_batch_is_the_same_object() -> None:
+    model = nn.Linear(2, 2)
+    out = dk.to_device({"model": model, "x": torch.ones(2)}, "meta")
+    assert out["model"] is model and model.weight.device.type == "meta"
+
+
+def test_tensor_on_target_is_returned_without_copy() -> None:
+    t = torch.ones(3)
+    assert dk.to_device(t, "cpu") is t
+    assert dk.to_device([t], torch.device("cpu"))[0] is t
+
+
+def test_same_container_twice_stays_shared_and_cycles_terminate() -> None:
+    shared = [torch.ones(2)]
+    batch: dict[str, Any] = {"a": shared, "b": shared}
+    batch["self"] = batch
+    out = dk.to_device(batch, "meta")
+    assert out["a"] is out["b"]
+    assert out["self"] is out
+    assert out["a"][0].device.type == "meta"
+
+
+def test_defaultdict_keeps_factory_and_still_defaults() -> None:
+    batch = defaultdict(list, {"x": torch.ones(1)})
+    out = dk.to_device(batch, "meta")
+    assert isinstance(out, defaultdict) and out.default_factory is list
+    assert out["missing"] == []
+
+
+def test_frozen_dataclass_with_init_false_field() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Item:
+        x: torch.Tensor
+        derived: int = dataclasses.field(init=False, default=7)
+
+    out = dk.to_device(Item(torch.ones(2)), "meta")
+    assert out.x.device.type == "meta" and out.derived == 7
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.x = torch.ones(1)  # type: ignore[misc]
+
+
+def test_torch_size_and_return_types_are_handled() -> None:
+    values = torch.max(torch.arange(6.0).reshape(2, 3), dim=1)
+    out = dk.to_device({"shape": torch.Size([2, 3]), "max": values}, "meta")
+    assert out["shape"] == torch.Size([2, 3]) and type(out["shape"]) is torch.Size
+    assert type(out["max"]) is type(values) and out["max"].values.device.type == "meta"
+
+
+class OldStyle:
+    """A .to() that does not take non_blocking (like old third-party batch classes)."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def to(self, device: Any) -> OldStyle:
+        self.calls.append(device)
+        return self
+
+
+def test_to_object_without_non_blocking_still_moves() -> None:
+    obj = OldStyle()
+    assert dk.to_device(obj, "meta", non_blocking=True) is obj
+    assert obj.calls == [torch.device("meta")]
+
+
+def test_to_object_type_error_of_its_own_is_not_hidden() -> None:
+    class Broken:
+        def to(self, device: Any, non_blocking: bool = False) -> Any:
+            raise TypeError("bad shape")
+
+    with pytest.raises(TypeError, match="bad shape"):
+        dk.to_device(Broken(), "meta", non_blocking=True)
+
+
+def test_readonly_mapping_that_cannot_be_rebuilt_is_a_clear_error() -> None:
+    from collections.abc import Mapping
+
+    class Odd(Mapping):
+        def __init__(self, a: Any, b: Any) -> None:
+            self._d = {"a": a}
+
+        def __getitem__(self, k: Any) -> Any:
+            return self._d[k]
+
+        def __iter__(self) -> Any:
+            return iter(self._d)
+
+        def __len__(self) -> int:
+            return 1
+
+    with pytest.raises(dk.PlacementError, match="Odd"):
+        dk.to_device(Odd(torch.ones(1), 2), "meta")
+
+
+def test_bad_device_is_rejected_before_anything_moves() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(dk.InvalidDeviceError, match="gpu:1"):
+        dk.to_device(model, "gpu:1")
+    assert model.weight.device.type == "cpu"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """cuda:0 'exists' and Tensor.to/is_pinned are recorded instead of run."""
+    monkeypatch.setattr(devices, "_count", lambda kind: 1)
+    monkeypatch.setattr(devices, "_KNOWN_GOOD", {})
+    calls: list[tuple[str, Any]] = []
+    pinned: set[int] = set()
+
+    def fake_to(self: torch.Tensor, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        calls.append((str(device), non_blocking))
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: id(self) in pinned)
+    calls.append(("pinned", pinned))
+    return calls
+
+
+def test_non_blocking_auto_is_async_only_for_pinned_host_memory(fake_cuda: list[Any]) -> None:
+    _, pinned = fake_cuda.pop(0)
+    fast, slow = torch.ones(2), torch.ones(2)
+    pinned.add(id(fast))
+    dk.to_device([fast, slow], "cuda:0")
+    assert fake_cuda == [("cuda:0", True), ("cuda:0", False)]
+    fake_cuda.clear()
+    dk.to_device([fast, slow], "cuda:0", non_blocking=False)
+    assert fake_cuda == [("cuda:0", False), ("cuda:0", False)]
+    fake_cuda.clear()
+    dk.to_device([slow], "cuda:0", non_blocking=True)
+    assert fake_cuda == [("cuda:0", True)]
+
+
+def test_pin_memory_without_accelerator_returns_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "accelerator_type", lambda: None)
+    from devicekit.placement import transfer
+
+    monkeypatch.setattr(transfer, "accelerator_type", lambda: None)
+    batch = {"x": torch.ones(2)}
+    assert dk.pin_memory(batch) is batch
+
+
+def test_pin_memory_pins_every_host_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit.placement import transfer
+
+    monkeypatch.setattr(transfer, "accelerator_type", lambda: "cuda")
+    pinned: list[int] = []
+
+    def fake_pin(self: torch.Tensor) -> torch.Tensor:
+        pinned.append(id(self))
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    t = torch.ones(2)
+    model = nn.Linear(1, 1)
+    out = dk.pin_memory({"a": t, "b": (t, "text"), "model": model, "meta": torch.ones(1, device="meta")})
+    assert pinned == [id(t)]
+    assert out["a"] is out["b"][0] and out["b"][1] == "text" and out["model"] is model
+
+
+def test_device_of_tensor_module_and_batch() -> None:
+    assert dk.device_of(torch.ones(1)) == torch.device("cpu")
+    assert dk.device_of(nn.Linear(2, 2)) == torch.device("cpu")
+    assert dk.device_of({"x": [torch.ones(1), (torch.ones(1), "s")]}) == torch.device("cpu")
+
+
+def test_device_of_spread_module_names_the_devices() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(dk.PlacementError) as info:
+        dk.device_of(model)
+    message = str(info.value)
+    assert "Sequential" in message and "cpu, meta" in message and "\n" not in message
+
+
+def test_device_of_without_tensors_is_an_error() -> None:
+    with pytest.raises(dk.PlacementError, match="no tensors"):
+        dk.device_of(nn.ReLU())
+    with pytest.raises(dk.PlacementError, match="no tensors"):
+        dk.device_of({"a": 1})
+
+
+def test_packed_sequence_and_counter() -> None:
+    from collections import Counter
+
+    from torch.nn.utils.rnn import pack_sequence
+
+    packed = pack_sequence([torch.ones(3), torch.ones(2)])
+    out = dk.to_device({"seq": packed, "counts": Counter(a=2)}, "meta")
+    assert type(out["seq"]) is type(packed) and out["seq"].data.device.type == "meta"
+    assert type(out["counts"]) is Counter and out["counts"]["a"] == 2
