@@ -24,6 +24,20 @@ def run_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.Completed
                           text=True, timeout=timeout)
 
 
+def test_plan_for_cpu_processes_under_torchrun() -> None:
+    from devicekit.parallel.run import RunRequest, plan_run
+
+    outer = {"PATH": "/usr/bin", "DEVICEKIT_OWN_DEVICES": "1", "DEVICEKIT_LAUNCH": "1"}
+    plan = plan_run(RunRequest(procs=2, command=["train.py", "--lr", "3"]), environ=outer)
+    assert plan.distributed and not plan.allocation.on_gpu
+    assert plan.argv[plan.argv.index("--nproc-per-node") + 1] == "2"
+    assert plan.argv[-5:] == [sys.executable, "-u", "train.py", "--lr", "3"]
+    assert "DEVICEKIT_OWN_DEVICES" not in plan.env and "DEVICEKIT_LAUNCH" not in plan.env
+    single = plan_run(RunRequest(command=["python", "-c", "pass"]), environ={"PATH": "/usr/bin"})
+    assert single.argv == ["python", "-c", "pass"]
+    assert (single.env["RANK"], single.env["WORLD_SIZE"], single.env["LOCAL_RANK"]) == ("0", "1", "0")
+
+
 def test_exit_code_passes_through_and_cpu_is_announced() -> None:
     done = run_cli("--", sys.executable, "-c", "import sys; print('child ran'); sys.exit(3)")
     assert done.returncode == 3

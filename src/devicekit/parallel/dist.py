@@ -135,6 +135,11 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
     if name == "nccl":
         # without it a timed-out nccl collective blocks forever instead of raising
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # Slurm / MPI ranks: publish torchrun's variables too, for code that reads LOCAL_RANK & co.
+    for key, value in (("RANK", facts.rank), ("LOCAL_RANK", facts.local_rank),
+                       ("WORLD_SIZE", facts.world_size), ("LOCAL_WORLD_SIZE", facts.local_world_size),
+                       ("MASTER_ADDR", facts.master_addr), ("MASTER_PORT", facts.master_port)):
+        os.environ.setdefault(key, str(value))
     kwargs: dict[str, Any] = {"backend": name, "rank": facts.rank, "world_size": facts.world_size}
     if span is not None:
         kwargs["timeout"] = span

@@ -90,6 +90,8 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
+        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV):
+            env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
         env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
         if allocation.on_gpu:
             env["CUDA_VISIBLE_DEVICES"] = allocation.cuda_visible_devices
