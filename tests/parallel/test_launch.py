@@ -118,6 +118,8 @@ def test_bad_arguments() -> None:
         dk.launch(train_tiny, 1, nprocs=1, timeout=0)
     with pytest.raises(dk.InvalidValueError, match="procs=0"):
         dk.launch(train_tiny, 1, nprocs=0)
+    with pytest.raises(dk.RankFailedError, match="rank 0 returned a value that cannot be sent back"):
+        dk.launch(not_picklable_result, nprocs=1, backend=None)
 
 
 def die_hard_on_rank_one() -> str:
@@ -188,3 +190,14 @@ def test_ranks_die_with_a_killed_parent(tmp_path: Path) -> None:
         for rank in ranks:
             if rank.is_running():
                 rank.kill()
+
+
+def test_function_the_ranks_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("only_in_the_parent")  # like a function typed into a notebook
+    exec("def work():\n    return 1\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, "only_in_the_parent", module)
+    with pytest.raises(dk.RankFailedError, match="cannot load the function to run"):
+        dk.launch(module.work, nprocs=1, backend=None)

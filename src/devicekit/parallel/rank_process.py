@@ -69,7 +69,13 @@ def rank_main(
     os.environ.update(variables)
     rank = int(variables.get("RANK", "0"))
     try:
-        fn, args, kwargs = pickle.loads(payload)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. a function defined in a notebook
+            raise RuntimeError(
+                f"the rank cannot load the function to run ({type(exc).__name__}: {exc}); define it"
+                " at module level in an importable file (spawned ranks re-import it)"
+            ) from None
         if backend is not None:
             import torch.distributed  # noqa: F401 - slow on a busy machine; not the job's time
         conn.send(("ready",))  # started: the hang watchdog's clock runs from here
