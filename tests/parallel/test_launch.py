@@ -80,7 +80,7 @@ def hang_on_rank_one() -> str:
 def test_hanging_rank_is_named(no_leftover_children: None) -> None:
     start = time.monotonic()
     with pytest.raises(dk.RankHangError) as info:
-        dk.launch(hang_on_rank_one, nprocs=2, timeout=4)
+        dk.launch(hang_on_rank_one, nprocs=2, timeout=3)
     assert time.monotonic() - start < 60  # bounded (start-up on a busy machine is not counted)
     err = info.value
     assert err.stuck_ranks == [1]
@@ -92,7 +92,7 @@ def test_hanging_rank_is_named(no_leftover_children: None) -> None:
 def barrier_with_timeout() -> str:
     dk.dist.init(timeout=1)
     if dk.dist.env().rank == 1:
-        time.sleep(3)
+        time.sleep(2.2)
         return "late"
     start = time.monotonic()
     try:

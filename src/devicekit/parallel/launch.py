@@ -48,7 +48,7 @@ __all__ = ["launch", "free_port", "STOP_GRACE_SECONDS"]
 STOP_GRACE_SECONDS = 3.0
 #: ranks that have not started (interpreter up, function unpickled) by then count as hung
 STARTUP_SECONDS = 120.0
-#: after asking for stacks, how long to wait for ranks to write them
+#: after asking for stacks, the longest to wait for ranks to write them
 STACK_WAIT_SECONDS = 1.0
 
 
@@ -242,8 +242,11 @@ class _Job:
                     os.kill(proc.pid, STACK_SIGNAL)
                 except ProcessLookupError:
                     pass
-        time.sleep(STACK_WAIT_SECONDS)
+        until = time.monotonic() + STACK_WAIT_SECONDS
         stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
+        while time.monotonic() < until and not all(_complete(text) for text in stacks.values()):
+            time.sleep(0.05)
+            stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
         waiting = [r for r in stuck if "torch/distributed" in stacks[r]]
         culprits = [r for r in stuck if r not in waiting] or stuck
         detail = ""
@@ -300,6 +303,11 @@ def _innermost_frame(stack: str) -> str:
         if match:
             return f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}"
     return ""
+
+
+def _complete(stack: str) -> bool:
+    """True once a faulthandler dump has reached the main thread's outermost frame."""
+    return "Current thread" in stack and stack.rstrip().endswith("in <module>")
 
 
 def _read(path: str) -> str:
