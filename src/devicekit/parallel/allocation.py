@@ -1,0 +1,172 @@
+"""How many processes to start and which leased GPUs each one gets (for ``launch`` and ``run``).
+
+GPUs are chosen and leased in one step by ``devicekit.hardware.selection.select_gpus``; this
+module only decides the count and splits the selection into per-process groups. Where there
+are no GPUs and none were asked for explicitly, processes run on the CPU (gloo).
+
+Usage::
+
+    from devicekit.parallel.allocation import allocate
+
+    plan = allocate(gpus="all", gpus_per_proc=1)
+    print(plan.nprocs, plan.reason)
+    for rank in range(plan.nprocs):
+        print(rank, plan.visible_devices(rank))
+    plan.release()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from devicekit.errors import InvalidValueError, NoDeviceAvailable
+from devicekit.units import parse_size
+
+__all__ = ["Allocation", "allocate"]
+
+
+@dataclass
+class Allocation:
+    """The outcome: ``nprocs`` processes, on leased GPUs (``selection``) or on the CPU."""
+
+    nprocs: int
+    gpus_per_proc: int
+    #: the leased selection, None when the processes run on the CPU
+    selection: Any = None
+    #: one line saying what was chosen and why
+    reason: str = ""
+    #: lines explaining GPUs that were not chosen
+    rejected: list[str] = field(default_factory=list)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.selection is not None
+
+    @property
+    def uuids(self) -> list[str]:
+        """Every leased GPU's UUID, in selection order."""
+        return [g.uuid for g in self.selection.gpus] if self.selection is not None else []
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """The value for CUDA_VISIBLE_DEVICES covering every process on this node ("" on CPU)."""
+        return ",".join(self.uuids)
+
+    def visible_devices(self, rank: int) -> str:
+        """CUDA_VISIBLE_DEVICES for local process ``rank`` alone: its own GPU(s)."""
+        start = rank * self.gpus_per_proc
+        return ",".join(self.uuids[start : start + self.gpus_per_proc])
+
+    @property
+    def lease_fds(self) -> list[int]:
+        """File descriptors that hold the leases; a child that inherits them keeps them held."""
+        if self.selection is None:
+            return []
+        lease = getattr(self.selection, "lease", None)
+        return list(getattr(lease, "fds", None) or [])
+
+    def release(self) -> None:
+        """Free the leases (idempotent; nothing to do on the CPU)."""
+        if self.selection is not None:
+            self.selection.release()
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidValueError(f"{name}={value!r} must be a positive integer")
+
+
+def allocate(
+    gpus: int | str | None = None,
+    procs: int | None = None,
+    *,
+    gpus_per_proc: int = 1,
+    min_free_memory: int | str | None = None,
+    wait: float | None = None,
+    command: str | None = None,
+) -> Allocation:
+    """Decide the processes and lease their GPUs.
+
+    ``gpus``: a count, ``"all"`` (every GPU that passes the filters) or None (not asked).
+    ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
+    ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
+    GPU and ``gpus`` not given, ``procs`` (default 1) CPU processes; ``gpus`` given but no GPU
+    usable raises :class:`NoDeviceAvailable` listing why. ``command`` is recorded in the lease.
+    """
+    from devicekit.hardware.inventory import backend
+    from devicekit.hardware.inventory import gpus as inventory_gpus
+
+    _positive("gpus_per_proc", gpus_per_proc)
+    _positive("procs", procs)
+    if min_free_memory is not None:  # checked even where there is no GPU to filter
+        parse_size(min_free_memory, name="--min-free")
+    if isinstance(gpus, str):
+        if gpus.strip().lower() != "all":
+            try:
+                gpus = int(gpus)
+            except ValueError:
+                raise InvalidValueError(f"--gpus {gpus!r} must be a number or 'all'") from None
+        else:
+            gpus = "all"
+    if gpus != "all":
+        _positive("gpus", gpus)  # type: ignore[arg-type]
+    present = inventory_gpus()
+    if not present:
+        if gpus is not None:
+            why = getattr(backend(), "reason", "no GPU found")
+            raise NoDeviceAvailable(
+                f"--gpus {gpus} asked but this machine has no GPU ({why}); drop --gpus to run on"
+                " the CPU",
+                [why],
+            )
+        why = getattr(backend(), "reason", None) or "the GPU list is empty"
+        count = procs or 1
+        what = "1 process" if count == 1 else f"{count} processes with gloo"
+        return Allocation(count, gpus_per_proc, None,
+                          f"no GPU on this machine, running on the CPU ({what}); why: {why}")
+
+    if gpus == "all":
+        count = None
+    elif gpus is not None:
+        if gpus % gpus_per_proc:
+            raise InvalidValueError(
+                f"--gpus {gpus} is not a multiple of --gpus-per-proc {gpus_per_proc}"
+            )
+        if procs is not None and procs * gpus_per_proc != gpus:
+            raise InvalidValueError(
+                f"--procs {procs} x --gpus-per-proc {gpus_per_proc} does not match --gpus {gpus};"
+                " give one of --gpus or --procs"
+            )
+        count = gpus
+    else:
+        count = (procs or 1) * gpus_per_proc
+    selection = _select(count, gpus_per_proc, min_free_memory, wait, command)
+    chosen = len(selection.gpus)
+    nprocs = chosen // gpus_per_proc
+    names = ", ".join(f"GPU {g.index} ({g.name}, {_free(g)} free)" for g in selection.gpus)
+    reason = f"leased {names} for {nprocs} process(es) x {gpus_per_proc} GPU(s)"
+    return Allocation(nprocs, gpus_per_proc, selection, reason, list(selection.rejected))
+
+
+def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,
+            command: str | None) -> Any:
+    from devicekit.hardware.selection import select_gpus
+
+    kwargs: dict[str, Any] = {"min_free_memory": min_free, "wait": wait, "lease": True,
+                              "command": command}
+    if count is not None:
+        return select_gpus(count, **kwargs)
+    # "all": every GPU that passes the filters, rounded down to whole processes
+    selection = select_gpus("all", **kwargs)
+    usable = len(selection.gpus) - len(selection.gpus) % per_proc
+    if usable == len(selection.gpus):
+        return selection
+    selection.release()
+    return select_gpus(max(usable, per_proc), **kwargs)
+
+
+def _free(gpu: Any) -> str:
+    from devicekit.units import format_size
+
+    return format_size(gpu.memory_free)

@@ -1,0 +1,71 @@
+"""torchrun (``torch.distributed.run``) and ``dk.launch``: both set the same variables.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (the node),
+GROUP_WORLD_SIZE (the node count), MASTER_ADDR and MASTER_PORT. ``dk.launch`` sets the same
+ones plus ``DEVICEKIT_LAUNCH=1``.
+
+Usage::
+
+    from devicekit.parallel.environments.torchrun import TorchrunEnvironment
+
+    if TorchrunEnvironment.detect(os.environ):
+        print(TorchrunEnvironment().read().local_rank)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from devicekit.parallel.environments.base import (
+    DEFAULT_PORT,
+    DistEnv,
+    Environment,
+    integer_variable,
+)
+
+__all__ = ["TorchrunEnvironment", "DevicekitEnvironment", "LAUNCH_MARKER"]
+
+#: set by ``dk.launch`` in every rank it starts
+LAUNCH_MARKER = "DEVICEKIT_LAUNCH"
+
+
+class TorchrunEnvironment(Environment):
+    """Processes started by torchrun (or any launcher setting RANK and WORLD_SIZE)."""
+
+    name = "torchrun"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "RANK" in environ and "WORLD_SIZE" in environ
+
+    def read(self) -> DistEnv:
+        e = self.environ
+        rank = integer_variable(e, "RANK")
+        world = integer_variable(e, "WORLD_SIZE")
+        local_rank = integer_variable(e, "LOCAL_RANK", rank if "LOCAL_WORLD_SIZE" not in e else 0)
+        local_world = integer_variable(e, "LOCAL_WORLD_SIZE", world)
+        nnodes = integer_variable(e, "GROUP_WORLD_SIZE", max(world // max(local_world, 1), 1))
+        node_rank = integer_variable(e, "GROUP_RANK", rank // max(local_world, 1))
+        return self.check(
+            DistEnv(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world,
+                local_world_size=local_world,
+                node_rank=node_rank,
+                nnodes=nnodes,
+                master_addr=e.get("MASTER_ADDR", "127.0.0.1") or "127.0.0.1",
+                master_port=integer_variable(e, "MASTER_PORT", DEFAULT_PORT),
+                source=self.name,
+            )
+        )
+
+
+class DevicekitEnvironment(TorchrunEnvironment):
+    """Ranks started by ``dk.launch``: torchrun's variables plus ``DEVICEKIT_LAUNCH=1``."""
+
+    name = "devicekit"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return environ.get(LAUNCH_MARKER) == "1" and TorchrunEnvironment.detect(environ)

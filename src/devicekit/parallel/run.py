@@ -1,0 +1,280 @@
+"""What ``devicekit run`` does: lease GPUs, build the command line, run it, supervise it.
+
+One process on one node runs the command directly (with torchrun's variables for a world of
+one, so a script written for torchrun runs unchanged); several processes or nodes run it under
+``python -m torch.distributed.run`` (torchrun), which does the rendezvous. The child gets
+CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
+the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
+the child also gets SIGTERM when ``devicekit run`` dies (no orphans). SIGINT, SIGTERM and SIGHUP
+sent to ``devicekit run`` are forwarded to the child's process group; the exit code comes back
+(128 + N for a child killed by signal N).
+
+Usage::
+
+    from devicekit.parallel.run import RunRequest, run
+
+    code = run(RunRequest(gpus=2, command=["python", "train.py"]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from devicekit.errors import InvalidValueError
+from devicekit.parallel.allocation import Allocation, allocate
+from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
+from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
+from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
+
+__all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
+
+#: the bundled example, run when no command is given
+EXAMPLE_COMMAND = ("-m", "devicekit.examples")
+#: after forwarding a signal, how long the child may take before its group is killed
+KILL_AFTER_SECONDS = 15.0
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class RunRequest:
+    """The ``devicekit run`` flags."""
+
+    command: list[str] = field(default_factory=list)
+    gpus: int | str | None = None
+    procs: int | None = None
+    gpus_per_proc: int = 1
+    min_free_memory: int | str | None = None
+    wait: float | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+@dataclass
+class RunPlan:
+    """What will be started: ``argv`` with ``env``, on ``allocation``; ``notes`` say why."""
+
+    argv: list[str]
+    env: dict[str, str]
+    allocation: Allocation
+    notes: list[str]
+
+    @property
+    def distributed(self) -> bool:
+        return "torch.distributed.run" in self.argv
+
+
+def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
+    """Check the flags, lease the GPUs and build the command line (nothing is started yet)."""
+    environ = dict(os.environ if environ is None else environ)
+    _check_nodes(request)
+    allocation = allocate(
+        request.gpus,
+        request.procs,
+        gpus_per_proc=request.gpus_per_proc,
+        min_free_memory=request.min_free_memory,
+        wait=request.wait,
+        command=shlex.join(request.command) if request.command else "devicekit run (example)",
+    )
+    try:
+        notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
+        command = _command(request.command)
+        env = dict(environ)
+        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV):
+            env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
+        env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
+        if allocation.on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = allocation.cuda_visible_devices
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            notes.append(f"CUDA_VISIBLE_DEVICES={allocation.cuda_visible_devices}")
+        if allocation.nprocs == 1 and request.nnodes == 1:
+            # torchrun's variables for a world of one: a script written for torchrun runs as is
+            env.update(single_process_variables(_free_port()))
+            return RunPlan(command, env, allocation, notes)
+        addr = request.master_addr or "127.0.0.1"
+        port = request.master_port or (DEFAULT_PORT if request.nnodes > 1 else _free_port())
+        if request.nnodes > 1 and is_loopback(addr):
+            env[LOOPBACK_OK_ENV] = "1"
+            notes.append(
+                f"master address {addr} is loopback: all {request.nnodes} nodes must run on this"
+                " host (a rehearsal); use the master's host name for real machines"
+            )
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(request.nnodes),
+            "--node-rank", str(request.node_rank or 0),
+            "--nproc-per-node", str(allocation.nprocs),
+            "--master-addr", addr,
+            "--master-port", str(port),
+            "--no-python",
+            *command,
+        ]
+        notes.append(
+            f"torchrun: {allocation.nprocs} process(es) on node {request.node_rank or 0} of"
+            f" {request.nnodes}, master {addr}:{port}"
+        )
+        return RunPlan(argv, env, allocation, notes)
+    except BaseException:
+        allocation.release()
+        raise
+
+
+def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
+    """Plan, say what was chosen (``echo``, stderr by default), run, release; the exit code."""
+    echo = echo or (lambda line: print(f"devicekit run: {line}", file=sys.stderr, flush=True))
+    plan = plan_run(request)
+    try:
+        for line in plan.notes:
+            echo(line)
+        return execute(plan)
+    finally:
+        plan.allocation.release()
+
+
+def execute(plan: RunPlan) -> int:
+    """Start the plan's command, forward signals to its process group, wait; its exit code."""
+    try:
+        child = subprocess.Popen(
+            plan.argv,
+            env=plan.env,
+            pass_fds=plan.allocation.lease_fds,
+            preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
+        )
+    except OSError as exc:
+        raise InvalidValueError(
+            f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
+        ) from None
+    with contextlib.suppress(OSError):
+        os.setpgid(child.pid, child.pid)  # also from here, so it holds before we signal
+    forwarded: list[float] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(time.monotonic())
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signum)
+
+    with _terminal_given_to(child.pid), _handlers(forward):
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(child.pid, signal.SIGKILL)
+    _reap_group(child.pid)
+    return 128 - code if code < 0 else code
+
+
+def single_process_variables(port: int) -> dict[str, str]:
+    """The variables torchrun sets, for one process on one node (rank 0 of 1)."""
+    return {
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        LAUNCH_MARKER: "1", OWN_DEVICES_ENV: "1",
+    }
+
+
+def _check_nodes(request: RunRequest) -> None:
+    if request.nnodes < 1:
+        raise InvalidValueError(f"--nnodes {request.nnodes} must be at least 1")
+    if request.nnodes > 1:
+        if request.master_addr is None:
+            raise InvalidValueError(
+                f"--nnodes {request.nnodes} needs --master-addr (the host name of node 0)"
+            )
+        if request.node_rank is None:
+            raise InvalidValueError(
+                f"--nnodes {request.nnodes} needs --node-rank (0 to {request.nnodes - 1}) on every node"
+            )
+    if request.node_rank is not None and not 0 <= request.node_rank < request.nnodes:
+        raise InvalidValueError(
+            f"--node-rank {request.node_rank} must be between 0 and {request.nnodes - 1}"
+        )
+    if request.master_port is not None and not 0 < request.master_port < 65536:
+        raise InvalidValueError(f"--master-port {request.master_port} is not a TCP port (1-65535)")
+
+
+def _command(command: list[str]) -> list[str]:
+    if not command:
+        return [sys.executable, "-u", *EXAMPLE_COMMAND]
+    if command[0].endswith(".py"):
+        return [sys.executable, "-u", *command]
+    return list(command)
+
+
+def _free_port() -> int:
+    from devicekit.parallel.launch import free_port
+
+    return free_port()
+
+
+def _child_setup() -> None:
+    """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
+@contextlib.contextmanager
+def _handlers(forward: Callable[[int, object], None]) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _terminal_given_to(pgid: int) -> Iterator[None]:
+    """Make the child's group the terminal's foreground group so Ctrl-C and pdb reach it."""
+    fd = None
+    try:
+        if sys.stdin is not None and sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp():
+            fd = sys.stdin.fileno()
+    except (OSError, ValueError):
+        fd = None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(fd, pgid)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # we are in the background now
+            try:
+                with contextlib.suppress(OSError):
+                    os.tcsetpgrp(fd, os.getpgrp())
+            finally:
+                signal.signal(signal.SIGTTOU, old)
+
+
+def _reap_group(pgid: int) -> None:
+    """Stop whatever the child left behind in its process group (no orphans)."""
+    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)

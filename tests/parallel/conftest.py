@@ -1,0 +1,80 @@
+"""Fixtures for the parallel tests: a machine with no GPU, and environments for subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import devicekit
+
+#: the src directory of the devicekit under test, for PYTHONPATH of every subprocess
+SRC = str(Path(devicekit.__file__).resolve().parents[1])
+
+RANK_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DEVICEKIT_LAUNCH", "DEVICEKIT_OWN_DEVICES",
+    "DEVICEKIT_GPUS_PER_PROC", "DEVICEKIT_LOOPBACK_OK", "SLURM_PROCID", "SLURM_NTASKS",
+    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_ID", "SLURM_JOB_NAME", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+)
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No launcher variables, no GPU (an empty simulation; CUDA hidden from torch too)."""
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    empty = tmp_path / "no-gpus.json"
+    empty.write_text(json.dumps({"gpus": []}))
+    monkeypatch.setenv("DEVICEKIT_SIMULATE", str(empty))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess running the devicekit under test."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def devicekit_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "devicekit", *args]
+
+
+@pytest.fixture
+def no_leftover_children() -> Iterator[None]:
+    """Fails the test if a process it started (directly or not) is still alive afterwards."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    left = [p for p in me.children(recursive=True)
+            if p.pid not in before and "resource_tracker" not in " ".join(_cmdline(p))]
+    alive = []
+    for proc in left:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    for proc in alive:
+        proc.kill()
+    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []

@@ -1,0 +1,218 @@
+"""``devicekit run`` end to end on the CPU: exit codes, signals, two nodes, the example."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from devicekit.parallel.launch import free_port
+
+from .conftest import child_env, devicekit_command
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(devicekit_command("run", *args), env=child_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_plan_for_cpu_processes_under_torchrun() -> None:
+    from devicekit.parallel.run import RunRequest, plan_run
+
+    outer = {"PATH": "/usr/bin", "DEVICEKIT_OWN_DEVICES": "1", "DEVICEKIT_LAUNCH": "1"}
+    plan = plan_run(RunRequest(procs=2, command=["train.py", "--lr", "3"]), environ=outer)
+    assert plan.distributed and not plan.allocation.on_gpu
+    assert plan.argv[plan.argv.index("--nproc-per-node") + 1] == "2"
+    assert plan.argv[-5:] == [sys.executable, "-u", "train.py", "--lr", "3"]
+    assert "DEVICEKIT_OWN_DEVICES" not in plan.env and "DEVICEKIT_LAUNCH" not in plan.env
+    single = plan_run(RunRequest(command=["python", "-c", "pass"]), environ={"PATH": "/usr/bin"})
+    assert single.argv == ["python", "-c", "pass"]
+    assert (single.env["RANK"], single.env["WORLD_SIZE"], single.env["LOCAL_RANK"]) == ("0", "1", "0")
+
+
+def test_exit_code_passes_through_and_cpu_is_announced() -> None:
+    done = run_cli("--", sys.executable, "-c", "import sys; print('child ran'); sys.exit(3)")
+    assert done.returncode == 3
+    assert "child ran" in done.stdout
+    assert "no GPU" in done.stderr and "CPU" in done.stderr
+
+
+def test_child_killed_by_signal_gives_128_plus_n() -> None:
+    done = run_cli("--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    assert done.returncode == 128 + signal.SIGTERM
+
+
+def test_missing_command_is_one_line() -> None:
+    done = run_cli("--", "/nonexistent/tool")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("devicekit: cannot start '/nonexistent/tool'")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gpus", "2"], "no GPU"),
+        (["--nnodes", "2", "--node-rank", "0"], "--master-addr"),
+        (["--nnodes", "2", "--node-rank", "5", "--master-addr", "h"], "--node-rank 5"),
+        (["--gpus", "many"], "'many'"),
+        (["--min-free", "10XB"], "'10XB'"),
+    ],
+)
+def test_bad_flags_are_one_line(args: list[str], needle: str) -> None:
+    done = run_cli(*args, "--", sys.executable, "-c", "pass")
+    assert done.returncode != 0
+    assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    proc = subprocess.Popen(devicekit_command("run", "--", sys.executable, "-c", script),
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGINT
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    runner = subprocess.Popen(devicekit_command("run", "--", sys.executable, "-c", script),
+                              env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child = psutil.Process(int(pid_file.read_text()))
+        runner.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal must do it
+        runner.wait(timeout=10)
+        gone, alive = psutil.wait_procs([child], timeout=10)
+        assert not alive, "the child outlived devicekit run"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if child is not None and child.is_running():
+            child.kill()
+
+
+NODE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, devicekit as dk
+    from torch import nn
+    device = dk.dist.init(timeout=60)
+    facts = dk.dist.env()
+    torch.manual_seed(facts.rank)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(5, 3)
+        opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    params = ",".join(f"{v:.8f}" for v in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())
+    open(sys.argv[1] + f"/rank{facts.rank}.txt", "w").write(
+        f"{facts.source} {facts.rank} {facts.world_size} {facts.node_rank} {facts.nnodes} {params}")
+    dk.dist.destroy()
+    """
+)
+
+
+def test_two_nodes_rendezvous_on_loopback(tmp_path: Path, no_leftover_children: None) -> None:
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            devicekit_command("run", "--procs", "1", "--nnodes", "2", "--node-rank", str(rank),
+                              "--master-addr", "127.0.0.1", "--master-port", port, "--",
+                              sys.executable, str(script), str(tmp_path)),
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "loopback" in outputs[0][1]
+    lines = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
+    assert lines[0][:5] == ["torchrun", "0", "2", "0", "2"]
+    assert lines[1][:5] == ["torchrun", "1", "2", "1", "2"]
+    assert lines[0][5] == lines[1][5]  # identical parameters after DDP training
+
+
+def test_no_command_runs_the_example_on_cpu() -> None:
+    done = run_cli(timeout=90, DEVICEKIT_EXAMPLE_SECONDS="0.5")
+    assert done.returncode == 0, done.stderr
+    assert "device: cpu" in done.stdout
+    assert "steps/s" in done.stdout and "peak process memory" in done.stdout
+    assert "final loss" in done.stdout
+    assert "running on the CPU (1 process)" in done.stderr
+
+
+def test_ctrl_c_on_a_terminal_stops_every_process(tmp_path: Path, no_leftover_children: None) -> None:
+    """On a terminal the command is the foreground group: Ctrl-C reaches it, and run exits 130."""
+    import os
+    import pty
+    import select
+
+    info = tmp_path / "child.txt"
+    script = ("import os, time; fg = os.tcgetpgrp(0) == os.getpgrp();"
+              f" open({str(info)!r}, 'w').write(f'{{os.getpid()}} {{fg}}'); time.sleep(60)")
+    argv = devicekit_command("run", "--", sys.executable, "-c", script)
+    env = child_env()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+        os.execve(argv[0], argv, env)
+    output = b""
+    status: int | None = None
+    try:
+        deadline = time.monotonic() + 30
+        while not info.exists() or " " not in info.read_text():
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.05)
+        child, foreground = info.read_text().split()
+        os.write(fd, b"\x03")  # Ctrl-C typed on the terminal
+        deadline = time.monotonic() + 20
+        while status is None:
+            assert time.monotonic() < deadline, f"devicekit run did not stop: {output!r}"
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = raw
+            elif select.select([fd], [], [], 0.1)[0]:
+                try:
+                    output += os.read(fd, 4096)
+                except OSError:
+                    pass
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert foreground == "True"  # the command owns the terminal (pdb, input() work)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT, output
+    assert not psutil.pid_exists(int(child)) or psutil.Process(int(child)).status() == psutil.STATUS_ZOMBIE
