@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "SplitError": "devicekit.errors:SplitError",
     "DistributedError": "devicekit.errors:DistributedError",
     "LaunchError": "devicekit.errors:LaunchError",
+    "CommandNotFoundError": "devicekit.errors:CommandNotFoundError",
     "RankFailedError": "devicekit.errors:RankFailedError",
     "RankHangError": "devicekit.errors:RankHangError",
     "BatchSizeError": "devicekit.errors:BatchSizeError",

@@ -37,6 +37,7 @@ __all__ = [
     "RankHangError",
     "BatchSizeError",
     "LaunchError",
+    "CommandNotFoundError",
     "GradientMismatchError",
     "MissingDependencyError",
 ]
@@ -118,6 +119,12 @@ class DistributedError(DeviceKitError, RuntimeError):
 
 class LaunchError(DistributedError):
     """Processes could not be started or supervised."""
+
+
+class CommandNotFoundError(LaunchError):
+    """The command given to ``devicekit run`` cannot be started; exits 127 like a shell."""
+
+    exit_code = 127
 
 
 class RankFailedError(DistributedError):

@@ -50,9 +50,9 @@ def test_child_killed_by_signal_gives_128_plus_n() -> None:
     assert done.returncode == 128 + signal.SIGTERM
 
 
-def test_missing_command_is_one_line() -> None:
+def test_missing_command_is_one_line_and_exits_127() -> None:
     done = run_cli("--", "/nonexistent/tool")
-    assert done.returncode == 1
+    assert done.returncode == 127  # as a shell says "command not found"
     assert done.stderr.strip().splitlines()[-1].startswith("devicekit: cannot start '/nonexistent/tool'")
     assert "Traceback" not in done.stderr
 

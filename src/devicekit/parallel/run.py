@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from devicekit.errors import InvalidValueError
+from devicekit.errors import CommandNotFoundError, InvalidValueError
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
@@ -151,7 +151,7 @@ def execute(plan: RunPlan) -> int:
             preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
         )
     except OSError as exc:
-        raise InvalidValueError(
+        raise CommandNotFoundError(
             f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
         ) from None
     with contextlib.suppress(OSError):
