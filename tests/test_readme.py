@@ -1,0 +1,39 @@
+"""The README stays true: every ``dk.<name>`` it shows exists, and its commands are real."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import devicekit as dk
+from devicekit.cli.main import COMMANDS
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_dk_name_in_the_readme_exists():
+    text = README.read_text()
+    names = set(re.findall(r"\bdk\.([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?)", text))
+    assert len(names) > 20
+    missing = []
+    for dotted in sorted(names):
+        obj = dk
+        for part in dotted.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(dotted)
+                break
+    assert not missing, f"README names that devicekit lacks: {missing}"
+
+
+def test_every_devicekit_subcommand_in_the_readme_exists():
+    shell = "".join(re.findall(r"```bash\n(.*?)```", README.read_text(), re.S))
+    commands = set(re.findall(r"devicekit (?:--simulate \S+ )?([a-z]+)", shell))
+    assert {"status", "select", "run", "doctor"} <= set(COMMANDS)
+    assert commands and commands <= set(COMMANDS)
+
+
+def test_setup_commands_are_make_targets():
+    makefile = (README.parent / "Makefile").read_text()
+    assert re.search(r"^run:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    assert "make test" in (README.parent / ".ci" / "run").read_text()
