@@ -106,6 +106,8 @@ class Pipeline(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.last_run: PipelineRun | None = None
+        # the parts' DeferredBatchNorm layers, found once rather than by walking the model every call
+        self._deferred = [m for part in parts for m in part.modules() if isinstance(m, DeferredBatchNorm)]
         self._workers: StageWorkers | None = None  # stage threads, started by the first pipelined call
 
     @property
@@ -149,12 +151,12 @@ class Pipeline(nn.Module):
 
                 outputs, busy = self._workers.run(task, batches)
         except BaseException:
-            for part in self._parts:
-                DeferredBatchNorm.commit_all(part, discard=True)
+            for bn in self._deferred:
+                bn.discard()
             raise
         if self.training:
-            for part in self._parts:
-                DeferredBatchNorm.commit_all(part)
+            for bn in self._deferred:
+                bn.commit()
         self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(busy))
         return gather(outputs)
 

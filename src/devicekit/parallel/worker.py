@@ -5,7 +5,7 @@ overlaps on two cores), started on first use and reused by every later call. A c
 micro-batches to stage 0's queue; each stage runs them in order and passes each result directly
 to the next stage's queue, so stage ``j`` works on micro-batch ``i`` once stage ``j - 1`` has
 finished it and it has finished micro-batch ``i - 1``: GPipe's clock order, without waking the
-caller between ticks. Tasks run with the caller's grad mode and autocast state (thread-local in
+caller between ticks. Tasks run with the caller's grad mode, inference mode and autocast state (thread-local in
 torch), on the stage's CUDA device; between CUDA devices activations move on side copy streams
 (:mod:`devicekit.parallel.copy_streams`). Busy time is measured per stage. An error stops the
 call's remaining work and is re-raised in the caller with its traceback, after every stage is
@@ -53,6 +53,7 @@ class _Job:
         self.failure: BaseException | None = None
         self.done: queue.SimpleQueue[tuple[int, Any, Marks]] = queue.SimpleQueue()
         self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
         self.autocast = [(kind, torch.get_autocast_dtype(kind))
                          for kind in sorted({d.type for d in devices})
                          if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)]
@@ -65,13 +66,16 @@ class _Job:
         else:
             start = time.perf_counter()
             try:
+                if torch.is_grad_enabled() != self.grad:  # thread-local; stays set for the next task
+                    torch.set_grad_enabled(self.grad)
                 with ExitStack() as stack:
-                    stack.enter_context(torch.set_grad_enabled(self.grad))
+                    if self.inference:
+                        stack.enter_context(torch.inference_mode())
                     for kind, dtype in self.autocast:
                         stack.enter_context(torch.autocast(kind, dtype=dtype))
                     value = copies.receive(value, self.devices[stage], marks)
                     value = self.task(stage, index, value)
-                    marks = mark(value) if self.devices[stage].type == "cuda" else ()
+                marks = mark(value) if self.devices[stage].type == "cuda" else ()
             except BaseException as exc:  # handed to the caller, who re-raises it
                 if self.failure is None:
                     self.failure = exc
