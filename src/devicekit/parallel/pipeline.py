@@ -1,8 +1,15 @@
 """GPipe-style pipeline: a split model fed with micro-batches so its devices work at once.
 
-Each batch is cut into ``chunks`` micro-batches; at every clock tick stage ``j`` runs
-micro-batch ``k - j`` in its own worker thread, so while the second device works on the first
-micro-batch the first device starts the second. Outputs are joined, so ``loss.backward()``
+Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``i`` in its own
+worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
+stage ``j`` works on micro-batch ``k - j``), so while the second device works on the first
+micro-batch the first device starts the second. The stage threads start with the first call and
+serve every later one (:mod:`devicekit.parallel.worker`); :meth:`Pipeline.close` (or ``with
+Pipeline(...) as pipe:``, or garbage collection) stops them, and a stage that raises leaves no
+thread behind. With one micro-batch, or one stage, nothing can overlap and the parts run in the
+calling thread, as :func:`~devicekit.parallel.split.split` does. Between CUDA devices
+activations are copied on a side copy stream per device
+(:mod:`devicekit.parallel.copy_streams`). Outputs are joined, so ``loss.backward()``
 gives the same gradients as the unsplit model (models whose layers treat samples
 independently; BatchNorm normalises per micro-batch, see below). Options:
 
@@ -25,6 +32,7 @@ Usage::
     loss.backward()
     print(pipe.plan)                  # the split
     print(pipe.last_run)              # measured idle fraction vs (n-1)/(m+n-1)
+    pipe.close()                      # stop the stage threads (a later call restarts them)
 """
 
 from __future__ import annotations
