@@ -79,9 +79,13 @@ class CopyStreams:
             return move(value, device)  # CPU to CPU: nothing to order
         sources = [t for t in tensors_in(value) if t.device != device]
         if not sources:  # same device: only order the consumer's stream after the producer's
-            for where, event in marks:
-                if where == device:
-                    torch.cuda.current_stream(device).wait_event(event)
+            if marks:
+                compute = torch.cuda.current_stream(device)
+                for where, event in marks:
+                    if where == device:
+                        compute.wait_event(event)
+                for t in tensors_in(value):  # the producer's stream may differ (a caller's stream)
+                    t.record_stream(compute)
             return value
         involved = {t.device for t in sources if t.is_cuda}
         if device.type == "cuda":

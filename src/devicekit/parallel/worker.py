@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from devicekit.parallel.copy_streams import CopyStreams, Marks, mark
+from devicekit.parallel.copy_streams import CopyStreams, Marks, mark, tensors_in
 
 __all__ = ["StageWorkers"]
 
@@ -157,6 +157,9 @@ class StageWorkers:
                     if last.type == "cuda" and marks:  # the caller's stream waits for the last stage
                         for device, event in marks:
                             torch.cuda.current_stream(device).wait_event(event)
+                        for t in tensors_in(value):  # and may use the output on its own stream
+                            if t.is_cuda:
+                                t.record_stream(torch.cuda.current_stream(t.device))
                     outputs[index] = value
             except BaseException as exc:  # e.g. KeyboardInterrupt while waiting: stop this call's work
                 if job.failure is None:
