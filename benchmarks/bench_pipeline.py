@@ -174,6 +174,30 @@ def part1() -> None:
           f"{tp * 1e3:.0f} ms, ratio {tn / tp:.2f} (best of {ROUNDS})")
     for pipe in pipes.values():
         pipe.close()
+    overhead()
+
+
+def overhead() -> None:
+    """Fixed cost per call: a tiny model (2 x Linear(8, 8), batch 64) where the work is negligible."""
+    x = torch.randn(64, 8)
+
+    def tiny() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+    naive = dk.split(tiny(), ["cpu", "cpu"], balance=[1, 1])
+    pipes = {c: dk.Pipeline(tiny(), ["cpu", "cpu"], chunks=c, balance=[1, 1], checkpoint="never")
+             for c in (1, 2, 8)}
+    methods = {"naive": lambda: naive(x), **{f"pipe{c}": (lambda p=p: p(x)) for c, p in pipes.items()},
+               **{f"old{c}": (lambda p=p: PerCallThreads(p)(x)) for c, p in pipes.items()}}
+    with torch.no_grad():
+        times = interleaved(methods, rounds=200)
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    print(f"per-call overhead (tiny model, median of 200, microseconds): naive split {us['naive']:.0f}; "
+          + ", ".join(f"chunks={c}: Pipeline {us[f'pipe{c}']:.0f} vs threads per call {us[f'old{c}']:.0f}"
+                      for c in pipes))
+    for pipe in pipes.values():
+        pipe.close()
     torch.set_num_threads(os.cpu_count() or 1)
 
 
