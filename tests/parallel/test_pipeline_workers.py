@@ -142,8 +142,10 @@ def test_copies_and_concurrent_callers() -> None:
     pipe = dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], chunks=4, checkpoint="never")
     x = sample_for("mlp")
     want = pipe(x).detach()
+    threads = pipe._workers.threads
     clone = copy.deepcopy(pipe)  # the threads are not copied; the copy starts its own
     torch.testing.assert_close(clone(x), want)
+    assert pipe._workers.threads == threads and not set(clone._workers.threads) & set(threads)
     results: list[torch.Tensor] = []
 
     def call() -> None:
