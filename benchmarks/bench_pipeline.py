@@ -4,7 +4,9 @@ Run: ``/work/main/.venv/bin/python benchmarks/bench_pipeline.py`` (about a minut
 
 Part 1: an 8-layer MLP split over two CPU "devices" (``["cpu", "cpu"]``). The naive split
 (``dk.split``) runs the parts one after another; ``dk.Pipeline`` cuts each batch into ``chunks``
-micro-batches and runs the two stages in two threads. torch's intra-op threads are limited to 1
+micro-batches and runs the two stages in its two persistent stage threads. The previous scheme
+(torchgpipe's: new threads on every call, the caller waiting at every clock tick) is measured in
+the same rounds on the same parts. Best and median ratios are both printed (the machine is shared). torch's intra-op threads are limited to 1
 (``torch.set_num_threads(1)``) so that each stage owns one core and the two can overlap: with
 torch's default (all cores per op) the stages would fight for the same cores. The forward pass is
 measured (what overlaps on CPU: torch's autograd engine runs CPU backward on the calling
@@ -29,7 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import queue
 import statistics
+import threading
 import time
 import warnings
 
@@ -39,7 +43,7 @@ from torch import nn
 import devicekit as dk
 from devicekit.parallel.balance import max_over_mean, part_costs
 from devicekit.parallel.layer_profile import optimizer_factor, profile_layers, sequential_layers
-from devicekit.parallel.schedule import bubble_fraction
+from devicekit.parallel.schedule import bubble_fraction, clock_cycles
 from devicekit.parallel.split import build_plan
 
 ROUNDS = 9
@@ -53,17 +57,48 @@ def mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def interleaved(methods: dict, rounds: int = ROUNDS) -> dict:
-    """Fastest run of each method; methods take turns, so load from other processes hits all alike."""
+def interleaved(methods: dict, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Every run's seconds per method; methods take turns, so load from other processes hits all alike."""
     for fn in methods.values():
         fn()  # warm up
-    best = {name: float("inf") for name in methods}
+    times: dict = {name: [] for name in methods}
     for _ in range(rounds):
         for name, fn in methods.items():
             start = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+class PerCallThreads:
+    """The previous scheme (torchgpipe's): new threads every call, caller waits at every clock tick."""
+
+    def __init__(self, pipe: dk.Pipeline) -> None:
+        self.pipe = pipe
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        parts, chunks = self.pipe.parts, batch.chunk(self.pipe.chunks)
+        n = len(parts)
+        inboxes: list[queue.Queue] = [queue.Queue() for _ in parts]
+        outboxes: list[queue.Queue] = [queue.Queue() for _ in parts]
+
+        def serve(j: int) -> None:
+            while (task := inboxes[j].get()) is not None:
+                outboxes[j].put(task())
+
+        threads = [threading.Thread(target=serve, args=(j,), daemon=True) for j in range(n)]
+        for t in threads:
+            t.start()
+        values = list(chunks)
+        for tick in clock_cycles(len(values), n):
+            for i, j in tick:
+                inboxes[j].put(lambda i=i, j=j: parts[j](values[i]))
+            for i, j in tick:
+                values[i] = outboxes[j].get()
+        for j, t in enumerate(threads):
+            inboxes[j].put(None)
+            t.join()
+        return torch.cat(values)
 
 
 class PartClock:
@@ -108,22 +143,61 @@ def part1() -> None:
         assert pipe.last_run is not None
         idles[chunks].append(pipe.last_run.idle_fraction)
 
-    methods = {0: run_naive, **{c: (lambda c=c: run_pipe(c)) for c in pipes}}
+    before = {chunks: PerCallThreads(pipes[chunks]) for chunks in (2, 4, 8)}
+    methods = {0: run_naive, **{c: (lambda c=c: run_pipe(c)) for c in pipes},
+               **{-c: (lambda c=c: before[c](batch)) for c in before}}
     with torch.no_grad():
-        best = interleaved(methods)
-    base = best[0]
-    print(f"{'method':<24}{'samples/s':>12}{'ratio vs naive':>16}{'idle measured':>15}{'idle predicted':>16}")
-    print(f"{'naive split (dk.split)':<24}{len(batch) / base:>12.0f}{1.0:>16.2f}"
-          f"{statistics.median(idle_naive):>15.1%}{bubble_fraction(1, 2):>16.1%}")
+        times = interleaved(methods)
+    best = {name: min(t) for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    base, base_median = best[0], median[0]
+    print(f"{'method':<36}{'samples/s':>10}{'ratio vs naive':>15}{'(median)':>9}"
+          f"{'idle measured':>15}{'idle predicted':>16}")
+
+    def row(name: str, key: int, idle: str, predicted: float) -> None:
+        print(f"{name:<36}{len(batch) / best[key]:>10.0f}{base / best[key]:>15.2f}"
+              f"{base_median / median[key]:>9.2f}{idle:>15}{predicted:>16.1%}")
+
+    row("naive split (dk.split)", 0, f"{statistics.median(idle_naive):.1%}", bubble_fraction(1, 2))
     for chunks in pipes:
-        seconds = best[chunks]
-        print(f"{f'Pipeline chunks={chunks}':<24}{len(batch) / seconds:>12.0f}{base / seconds:>16.2f}"
-              f"{statistics.median(idles[chunks]):>15.1%}{bubble_fraction(chunks, 2):>16.1%}")
+        row(f"Pipeline chunks={chunks}", chunks, f"{statistics.median(idles[chunks]):.1%}",
+            bubble_fraction(chunks, 2))
+    for chunks in before:
+        row(f"threads per call, chunks={chunks} *", -chunks, "-", bubble_fraction(chunks, 2))
+    print("* the previous scheme (torchgpipe's): new stage threads on every call, the caller waits at "
+          "every clock tick; same parts, measured in the same rounds")
     # one training step, for completeness (backward is serial on CPU, see the module doc)
     train = interleaved({"naive": lambda: naive(batch).sum().backward(),
                          "pipe": lambda: pipes[4](batch).sum().backward()})
-    print(f"training step (fwd+bwd): naive {train['naive'] * 1e3:.0f} ms, Pipeline chunks=4 "
-          f"{train['pipe'] * 1e3:.0f} ms, ratio {train['naive'] / train['pipe']:.2f}")
+    tn, tp = min(train["naive"]), min(train["pipe"])
+    print(f"training step (fwd+bwd): naive {tn * 1e3:.0f} ms, Pipeline chunks=4 "
+          f"{tp * 1e3:.0f} ms, ratio {tn / tp:.2f} (best of {ROUNDS})")
+    for pipe in pipes.values():
+        pipe.close()
+    overhead()
+
+
+def overhead() -> None:
+    """Fixed cost per call: a tiny model (2 x Linear(8, 8), batch 64) where the work is negligible."""
+    x = torch.randn(64, 8)
+
+    def tiny() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+    naive = dk.split(tiny(), ["cpu", "cpu"], balance=[1, 1])
+    pipes = {c: dk.Pipeline(tiny(), ["cpu", "cpu"], chunks=c, balance=[1, 1], checkpoint="never")
+             for c in (1, 2, 8)}
+    methods = {"naive": lambda: naive(x), **{f"pipe{c}": (lambda p=p: p(x)) for c, p in pipes.items()},
+               **{f"old{c}": (lambda p=p: PerCallThreads(p)(x)) for c, p in pipes.items()}}
+    with torch.no_grad():
+        times = interleaved(methods, rounds=200)
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    print(f"per-call overhead (tiny model, median of 200, microseconds): naive split {us['naive']:.0f}; "
+          + ", ".join(f"chunks={c}: Pipeline {us[f'pipe{c}']:.0f} vs threads per call {us[f'old{c}']:.0f}"
+                      for c in pipes))
+    for pipe in pipes.values():
+        pipe.close()
     torch.set_num_threads(os.cpu_count() or 1)
 
 

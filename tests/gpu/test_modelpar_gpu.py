@@ -61,3 +61,75 @@ def test_pipeline_across_gpus_when_there_are_two() -> None:
     assert out.device == torch.device("cuda:1")
     loss_of(out).backward()
     assert_same_grads(pipe.module, ref, atol=1e-4)
+
+
+class Slow(nn.Module):
+    """Many dependent GPU matmuls, then the result: a copy that does not wait for it reads garbage."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.eye(x.shape[1], device=x.device) * 1.0001
+        y = x
+        for _ in range(200):
+            y = y @ w
+        return y
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cpu"], ["cpu", "cuda:0"], ["cuda:0", "cuda:0"]])
+def test_pipeline_between_cuda_and_cpu_matches_reference(devices: list[str]) -> None:
+    x = sample_for("mlp")
+    ref, want = reference_run(MODELS["mlp"], x)
+    with dk.Pipeline(MODELS["mlp"](), devices, chunks=4, sample=x) as pipe:
+        out = pipe(x)
+        assert out.device == torch.device(devices[-1])
+        torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-3)
+        loss_of(out).backward()
+        assert_same_grads(pipe.module, ref, atol=1e-4)
+
+
+def test_copies_wait_for_the_producing_stream() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 512, device="cuda:0")
+    model = nn.Sequential(Slow(), nn.Identity())
+    want = Slow()(x).cpu()
+    side = torch.cuda.Stream("cuda:0")
+    with dk.Pipeline(model, ["cuda:0", "cpu"], chunks=8, balance=[1, 1]) as pipe, torch.no_grad():
+        for _ in range(3):
+            with torch.cuda.stream(side):  # the caller works on its own stream
+                got = pipe(x)
+            torch.testing.assert_close(got, want)
+
+
+def test_copy_streams_are_side_streams_and_ordered() -> None:
+    from devicekit.parallel.copy_streams import CopyStreams, mark
+
+    device = torch.device("cuda:0")
+    streams = CopyStreams()
+    x = torch.randn(256, 256, device=device)
+    y = Slow()(x)  # queued on the default stream
+    back = streams.receive(y, torch.device("cpu"), mark(y))  # copied on the side stream
+    assert streams.stream(device) != torch.cuda.default_stream(device)
+    torch.testing.assert_close(back, y.cpu())
+    host = torch.randn(128, 128)
+    on_gpu = streams.receive(host, device, ())
+    assert on_gpu.device == device and set(streams.streams) == {device}
+    torch.testing.assert_close((on_gpu * 2).cpu(), host * 2)  # the compute stream waited for the copy
+
+
+def test_copy_stream_between_two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    from devicekit.parallel.copy_streams import CopyStreams, mark
+
+    streams = CopyStreams()
+    x = torch.randn(256, 256, device="cuda:0")
+    y = Slow()(x)
+    with torch.cuda.device(1):
+        moved = streams.receive(y, torch.device("cuda:1"), mark(y))
+        out = moved * 1.0
+    assert set(streams.streams) == {torch.device("cuda:0"), torch.device("cuda:1")}
+    torch.testing.assert_close(out.cpu(), y.cpu())
+    x = sample_for("mlp")
+    with dk.Pipeline(nn.Sequential(Slow(), *MODELS["mlp"]()), ["cuda:0", "cuda:1"], chunks=4,
+                     balance=[1, 7]) as pipe, torch.no_grad():
+        got = pipe(x)
+    assert got.device == torch.device("cuda:1")

@@ -125,6 +125,9 @@ def test_autocast_reaches_the_stage_threads() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert pipe(sample_for("mlp")).dtype == torch.bfloat16
     assert pipe(sample_for("mlp")).dtype == torch.float32
+    with torch.inference_mode():
+        assert pipe(sample_for("mlp")).is_inference()
+    assert pipe(sample_for("mlp")).requires_grad
 
 
 def test_tuple_inputs_and_small_batches() -> None:

@@ -1,8 +1,15 @@
 """GPipe-style pipeline: a split model fed with micro-batches so its devices work at once.
 
-Each batch is cut into ``chunks`` micro-batches; at every clock tick stage ``j`` runs
-micro-batch ``k - j`` in its own worker thread, so while the second device works on the first
-micro-batch the first device starts the second. Outputs are joined, so ``loss.backward()``
+Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``i`` in its own
+worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
+stage ``j`` works on micro-batch ``k - j``), so while the second device works on the first
+micro-batch the first device starts the second. The stage threads start with the first call and
+serve every later one (:mod:`devicekit.parallel.worker`); :meth:`Pipeline.close` (or ``with
+Pipeline(...) as pipe:``, or garbage collection) stops them, and a stage that raises leaves no
+thread behind. With one micro-batch, or one stage, nothing can overlap and the parts run in the
+calling thread, as :func:`~devicekit.parallel.split.split` does. Between CUDA devices
+activations are copied on a side copy stream per device
+(:mod:`devicekit.parallel.copy_streams`). Outputs are joined, so ``loss.backward()``
 gives the same gradients as the unsplit model (models whose layers treat samples
 independently; BatchNorm normalises per micro-batch, see below). Options:
 
@@ -25,6 +32,7 @@ Usage::
     loss.backward()
     print(pipe.plan)                  # the split
     print(pipe.last_run)              # measured idle fraction vs (n-1)/(m+n-1)
+    pipe.close()                      # stop the stage threads (a later call restarts them)
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -43,7 +50,7 @@ from devicekit.parallel.batchnorm import DeferredBatchNorm
 from devicekit.parallel.microbatch import gather, move, scatter
 from devicekit.parallel.partition import Plan
 from devicekit.parallel.recompute import CHECKPOINT_MODES, checkpoint_stop, checkpointed
-from devicekit.parallel.schedule import bubble_fraction, clock_cycles
+from devicekit.parallel.schedule import bubble_fraction
 from devicekit.parallel.split import Balance, make_parts, resolve
 from devicekit.parallel.worker import StageWorkers
 
@@ -107,6 +114,9 @@ class Pipeline(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.last_run: PipelineRun | None = None
+        # the parts' DeferredBatchNorm layers, found once rather than by walking the model every call
+        self._deferred = [m for part in parts for m in part.modules() if isinstance(m, DeferredBatchNorm)]
+        self._workers: StageWorkers | None = None  # stage threads, started by the first pipelined call
 
     @property
     def parts(self) -> list[nn.Sequential]:
@@ -116,33 +126,65 @@ class Pipeline(nn.Module):
     def devices(self) -> list[torch.device]:
         return self.plan.devices
 
-    def _task(self, stage: int, x: Any, recompute: bool) -> Any:
-        x = move(x, self.plan.devices[stage])
+    def _run_part(self, stage: int, x: Any, recompute: bool) -> Any:
         part = self._parts[stage]
         return checkpointed(part, x) if recompute else part(x)
+
+    def _inline(self, batches: list[Any], stop: int) -> tuple[list[Any], list[float]]:
+        """One micro-batch or one stage: nothing can overlap, so run the parts in this thread."""
+        busy = [0.0] * len(self._parts)
+        outputs = []
+        for i, x in enumerate(batches):
+            for j, device in enumerate(self.plan.devices):
+                start = time.perf_counter()
+                x = self._run_part(j, move(x, device), i < stop)
+                busy[j] += time.perf_counter() - start
+            outputs.append(x)
+        return outputs, busy
 
     def forward(self, x: Any) -> Any:
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
         stop = checkpoint_stop(self.checkpoint, m) if torch.is_grad_enabled() else 0
         start = time.perf_counter()
-        workers = StageWorkers(self.plan.devices)
         try:
-            with workers:
-                for tick in clock_cycles(m, n):
-                    for i, j in tick:
-                        workers.submit(j, partial(self._task, j, batches[i], i < stop))
-                    for i, j in tick:
-                        batches[i] = workers.result(j)
+            if m == 1 or n == 1:
+                outputs, busy = self._inline(batches, stop)
+            else:
+                if self._workers is None:
+                    self._workers = StageWorkers(self.plan.devices)
+
+                def task(stage: int, index: int, value: Any) -> Any:
+                    return self._run_part(stage, value, index < stop)
+
+                outputs, busy = self._workers.run(task, batches)
         except BaseException:
-            for part in self._parts:
-                DeferredBatchNorm.commit_all(part, discard=True)
+            for bn in self._deferred:
+                bn.discard()
             raise
         if self.training:
-            for part in self._parts:
-                DeferredBatchNorm.commit_all(part)
-        self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(workers.busy_seconds))
-        return gather(batches)
+            for bn in self._deferred:
+                bn.commit()
+        self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(busy))
+        return gather(outputs)
+
+    def close(self) -> None:
+        """Stop the stage threads now (they also stop when the pipeline is garbage-collected).
+
+        A later call starts new ones, so closing is always safe."""
+        if self._workers is not None:
+            self._workers.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy / pickle: threads stay behind
+        state = super().__getstate__()
+        state["_workers"] = None
+        return state
 
     def extra_repr(self) -> str:
         return (f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}, "

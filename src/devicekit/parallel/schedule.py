@@ -3,7 +3,9 @@
 With ``m`` micro-batches and ``n`` stages there are ``m + n - 1`` ticks; at tick ``k`` stage
 ``j`` works on micro-batch ``k - j``. The pipeline fills for ``n - 1`` ticks and drains for
 ``n - 1`` ticks, so with equal stages each one idles a fraction ``(n - 1) / (m + n - 1)`` of
-the time (the "bubble"): more micro-batches, smaller bubble.
+the time (the "bubble"): more micro-batches, smaller bubble. :class:`~devicekit.parallel.pipeline.Pipeline`
+keeps this order without a barrier per tick: each stage takes micro-batch ``i`` once the stage
+before has finished it (:mod:`devicekit.parallel.worker`).
 
 Usage::
 
