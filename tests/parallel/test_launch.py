@@ -48,24 +48,27 @@ def test_two_ranks_train_and_agree() -> None:
 
 def fail_on_rank_one(pid_dir: str) -> None:
     Path(pid_dir, f"{dk.dist.env().rank}.pid").write_text(str(os.getpid()))
-    if dk.dist.env().rank == 1:
+    rank = dk.dist.env().rank
+    if rank == 1:
         time.sleep(0.5)
         raise ValueError("rank one cannot go on")
-    time.sleep(60)  # rank 0 would wait forever: launch must stop it
+    if rank == 0:
+        dk.dist.barrier()  # fails too once rank 1 is gone: a consequence, not the cause
+    time.sleep(60)  # rank 2 would wait forever: launch must stop it
 
 
 def test_failing_rank_stops_the_job(tmp_path: Path, no_leftover_children: None) -> None:
     start = time.monotonic()
     with pytest.raises(dk.RankFailedError) as info:
-        dk.launch(fail_on_rank_one, str(tmp_path), nprocs=2, backend=None)
-    assert time.monotonic() - start < 10
+        dk.launch(fail_on_rank_one, str(tmp_path), nprocs=3, devices="cpu", timeout=60)
+    assert time.monotonic() - start < 30  # not the 60 s timeout: the others were stopped
     err = info.value
     assert err.rank == 1
-    assert str(err).splitlines()[0] == "rank 1 of 2 failed: ValueError: rank one cannot go on"
+    assert str(err).splitlines()[0] == "rank 1 of 3 failed: ValueError: rank one cannot go on"
     assert 'raise ValueError("rank one cannot go on")' in err.traceback_text
     assert "fail_on_rank_one" in err.traceback_text
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert len(pids) == 2
+    assert len(pids) == 3
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -89,11 +92,13 @@ def test_hanging_rank_is_named(no_leftover_children: None) -> None:
     assert "barrier" in err.stacks[0]  # rank 0 waits for it in a collective
 
 
-def barrier_with_timeout() -> str:
+def barrier_with_timeout() -> object:
+    import torch
+
     dk.dist.init(timeout=1)
     if dk.dist.env().rank == 1:
         time.sleep(2.2)
-        return "late"
+        return torch.full((3,), 2.5)  # the rank exits at once (backend=None): sent by value
     start = time.monotonic()
     try:
         dk.dist.barrier()
@@ -103,8 +108,11 @@ def barrier_with_timeout() -> str:
 
 
 def test_init_timeout_applies() -> None:
+    import torch
+
     results = dk.launch(barrier_with_timeout, nprocs=2, backend=None, timeout=30)
     assert results[0] in ("timed out after 1 s", "timed out after 2 s")
+    assert torch.equal(results[1], torch.full((3,), 2.5))
 
 
 def not_picklable_result() -> object:
@@ -112,12 +120,18 @@ def not_picklable_result() -> object:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(dk.LaunchError, match="cannot send"):
+    with pytest.raises(dk.InvalidValueError, match="cannot send .*module-level function"):
         dk.launch(lambda: None, nprocs=1)
-    with pytest.raises(dk.LaunchError, match="timeout"):
+    with pytest.raises(dk.InvalidValueError, match="timeout=0"):
         dk.launch(train_tiny, 1, nprocs=1, timeout=0)
-    with pytest.raises(dk.InvalidValueError, match="procs=0"):
+    with pytest.raises(dk.InvalidValueError, match="nprocs=0"):
         dk.launch(train_tiny, 1, nprocs=0)
+    with pytest.raises(dk.InvalidValueError, match="devices='gpu'"):
+        dk.launch(train_tiny, 1, devices="gpu")
+    with pytest.raises(dk.InvalidValueError, match="min_free_memory='1GiB'.*devices='cpu'"):
+        dk.launch(train_tiny, 1, devices="cpu", min_free_memory="1GiB")
+    with pytest.raises(dk.InvalidValueError, match="gpus_per_proc=2 with devices='cpu'"):
+        dk.launch(train_tiny, 1, devices="cpu", gpus_per_proc=2)
     with pytest.raises(dk.RankFailedError, match="rank 0 returned a value that cannot be sent back"):
         dk.launch(not_picklable_result, nprocs=1, backend=None)
 
