@@ -215,3 +215,26 @@ def test_function_the_ranks_cannot_import(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "only_in_the_parent", module)
     with pytest.raises(dk.RankFailedError, match="cannot load the function to run"):
         dk.launch(module.work, nprocs=1, backend=None)
+
+
+def test_the_rank_that_failed_first_is_blamed_not_its_peers() -> None:
+    """No processes: the supervisor's choice among failures that arrived together."""
+    import shutil
+
+    from devicekit.parallel.allocation import plan_processes
+    from devicekit.parallel.launch import _Job
+
+    job = _Job(plan_processes("cpu", 3), b"", "gloo", None)
+    shutil.rmtree(job.workdir)
+    broken = 'File "/x/torch/distributed/distributed_c10d.py", line 1, in barrier\nRuntimeError'
+    # rank 0's barrier broke first in time order of arrival, but inside torch.distributed
+    job.receive(0, ("error", "RuntimeError: Connection closed by peer", broken, 100.0))
+    job.receive(2, ("error", "KeyError: 'x'", "Traceback: in load_batch\nKeyError", 100.2))
+    job.receive(1, ("error", "ValueError: bad shard", "Traceback: in step\nValueError", 100.1))
+    with pytest.raises(dk.RankFailedError, match="rank 1 of 3 failed: ValueError") as info:
+        job.blame()
+    assert info.value.rank == 1
+    job.failures = {0: job.failures[0]}  # only collective failures: the earliest of them
+    job.receive(2, ("error", "RuntimeError: timeout", broken, 99.0))
+    with pytest.raises(dk.RankFailedError, match="rank 2 of 3"):
+        job.blame()
