@@ -58,6 +58,9 @@ def fail_on_rank_one(pid_dir: str) -> None:
 
 
 def test_failing_rank_stops_the_job(tmp_path: Path, no_leftover_children: None) -> None:
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
     start = time.monotonic()
     with pytest.raises(dk.RankFailedError) as info:
         dk.launch(fail_on_rank_one, str(tmp_path), nprocs=3, devices="cpu", timeout=60)
@@ -69,6 +72,7 @@ def test_failing_rank_stops_the_job(tmp_path: Path, no_leftover_children: None) 
     assert "fail_on_rank_one" in err.traceback_text
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 3
+    assert set(multiprocessing.active_children()) <= before  # reaped by multiprocessing too
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 

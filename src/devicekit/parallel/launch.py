@@ -322,7 +322,12 @@ class _Job:
         raise RankHangError(message, culprits, stacks)
 
     def stop(self) -> None:
-        """SIGTERM every rank still alive (and its children), then SIGKILL after a grace period."""
+        """SIGTERM every rank still alive (and its children), then SIGKILL after a grace period.
+
+        The ranks themselves are stopped and reaped through multiprocessing (a rank reaped
+        behind its back would stay "alive" in ``multiprocessing.active_children()`` for
+        ever); their own children (data-loader workers, ...) through psutil.
+        """
         import psutil
 
         alive = [p for p in self.procs if p.is_alive()]
@@ -331,9 +336,7 @@ class _Job:
         family: list[psutil.Process] = []
         for proc in alive:
             try:
-                parent = psutil.Process(proc.pid)
-                family.extend(parent.children(recursive=True))
-                family.append(parent)
+                family.extend(psutil.Process(proc.pid).children(recursive=True))
             except psutil.NoSuchProcess:
                 continue
         for member in family:
@@ -341,15 +344,22 @@ class _Job:
                 member.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, survivors = psutil.wait_procs(family, timeout=STOP_GRACE_SECONDS)
+        for proc in alive:
+            proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _, survivors = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
         for member in survivors:
             try:
                 member.kill()
             except psutil.NoSuchProcess:
                 pass
+        for proc in alive:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(STOP_GRACE_SECONDS)
         psutil.wait_procs(survivors, timeout=STOP_GRACE_SECONDS)
-        for proc in self.procs:
-            proc.join(timeout=0.1)
 
 
 def _in_collective(text: str) -> bool:
