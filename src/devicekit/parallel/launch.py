@@ -363,7 +363,7 @@ class _Job:
 
 
 def _in_collective(text: str) -> bool:
-    """True for a traceback that ends inside torch.distributed (a collective that failed)."""
+    """True for a traceback that goes through torch.distributed (most likely a broken collective)."""
     return "torch/distributed" in text.replace("\\", "/")
 
 
