@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import devicekit as dk
-from devicekit.parallel.gloo_ranks import run_gloo_ranks
 
 ROUNDS = 7
 STEPS_PER_ROUND = 40
@@ -115,7 +114,7 @@ def gpu_part() -> list[str]:
 
 def main() -> None:
     start = time.perf_counter()
-    per_rank = run_gloo_ranks(ddp_rounds, world_size=2, timeout=120)
+    per_rank = dk.launch(ddp_rounds, nprocs=2, devices="cpu", timeout=120)
     kit = statistics.median(t for r in per_rank for t in r["devicekit"])
     hand = statistics.median(t for r in per_rank for t in r["hand"])
     print("machine: ", torch.__version__, f"{torch.get_num_threads()} threads,",

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 import devicekit as dk
-from devicekit.parallel.gloo_ranks import run_gloo_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +88,10 @@ def test_ddp_without_group_moves_to_current_gpu_unwrapped() -> None:
 
 
 def ddp_on_gpus(checkpoint_path: str | None) -> dict[str, Any]:
-    """A rank: DDP on its own GPU (or the shared cuda:0 on a 1-GPU machine) over gloo."""
+    """A rank: DDP on its own GPU (or the shared cuda:0 on a 1-GPU machine) over gloo.
+
+    The rank joins gloo itself (``dk.dist.init`` rightly refuses two ranks on one GPU)."""
+    dist.init_process_group("gloo")  # env://: dk.launch set RANK, WORLD_SIZE, MASTER_*
     rank = dist.get_rank()
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
@@ -107,13 +109,16 @@ def ddp_on_gpus(checkpoint_path: str | None) -> dict[str, Any]:
         extra = dk.load_ddp_checkpoint(fresh.cuda(index), None, checkpoint_path)
         result["extra"] = extra
         result["loaded_device"] = str(next(fresh.parameters()).device)
+    dist.destroy_process_group()
     return result
 
 
 def test_ddp_device_ids_name_each_rank_gpu(tmp_path) -> None:
     has_checkpoint = importlib.util.find_spec("devicekit.placement.checkpoint") is not None
     path = str(tmp_path / "ckpt.pt") if has_checkpoint else None
-    results = run_gloo_ranks(ddp_on_gpus, path, world_size=2, timeout=120, hide_gpus=False)
+    # devices="visible": both ranks see every GPU (nothing leased), so two can share cuda:0
+    results = dk.launch(ddp_on_gpus, path, nprocs=2, devices="visible", backend=None,
+                        timeout=120)
     for r in results:
         assert r["device_ids"] == [r["index"]]
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit.parallel.gloo_ranks import run_gloo_ranks
 from tests.parallel import ddp_workloads as work
 
 TIMEOUT = 60.0
@@ -24,8 +23,8 @@ def _has_checkpoint_module() -> bool:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Two gloo ranks run every scenario once (DDP start-up costs seconds per process)."""
     path = tmp_path_factory.mktemp("ddp") / "ckpt.pt"
-    results = run_gloo_ranks(work.all_scenarios, str(path) if _has_checkpoint_module() else None,
-                             world_size=2, timeout=TIMEOUT)
+    results = dk.launch(work.all_scenarios, str(path) if _has_checkpoint_module() else None,
+                        nprocs=2, devices="cpu", timeout=TIMEOUT)
     for result in results:
         result["checkpoint_path"] = path
     return results

@@ -48,24 +48,31 @@ def test_two_ranks_train_and_agree() -> None:
 
 def fail_on_rank_one(pid_dir: str) -> None:
     Path(pid_dir, f"{dk.dist.env().rank}.pid").write_text(str(os.getpid()))
-    if dk.dist.env().rank == 1:
+    rank = dk.dist.env().rank
+    if rank == 1:
         time.sleep(0.5)
         raise ValueError("rank one cannot go on")
-    time.sleep(60)  # rank 0 would wait forever: launch must stop it
+    if rank == 0:
+        dk.dist.barrier()  # fails too once rank 1 is gone: a consequence, not the cause
+    time.sleep(60)  # rank 2 would wait forever: launch must stop it
 
 
 def test_failing_rank_stops_the_job(tmp_path: Path, no_leftover_children: None) -> None:
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
     start = time.monotonic()
     with pytest.raises(dk.RankFailedError) as info:
-        dk.launch(fail_on_rank_one, str(tmp_path), nprocs=2, backend=None)
-    assert time.monotonic() - start < 10
+        dk.launch(fail_on_rank_one, str(tmp_path), nprocs=3, devices="cpu", timeout=60)
+    assert time.monotonic() - start < 30  # not the 60 s timeout: the others were stopped
     err = info.value
     assert err.rank == 1
-    assert str(err).splitlines()[0] == "rank 1 of 2 failed: ValueError: rank one cannot go on"
+    assert str(err).splitlines()[0] == "rank 1 of 3 failed: ValueError: rank one cannot go on"
     assert 'raise ValueError("rank one cannot go on")' in err.traceback_text
     assert "fail_on_rank_one" in err.traceback_text
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert len(pids) == 2
+    assert len(pids) == 3
+    assert set(multiprocessing.active_children()) <= before  # reaped by multiprocessing too
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -89,11 +96,13 @@ def test_hanging_rank_is_named(no_leftover_children: None) -> None:
     assert "barrier" in err.stacks[0]  # rank 0 waits for it in a collective
 
 
-def barrier_with_timeout() -> str:
+def barrier_with_timeout() -> object:
+    import torch
+
     dk.dist.init(timeout=1)
     if dk.dist.env().rank == 1:
         time.sleep(2.2)
-        return "late"
+        return torch.full((3,), 2.5)  # the rank exits at once (backend=None): sent by value
     start = time.monotonic()
     try:
         dk.dist.barrier()
@@ -103,8 +112,11 @@ def barrier_with_timeout() -> str:
 
 
 def test_init_timeout_applies() -> None:
+    import torch
+
     results = dk.launch(barrier_with_timeout, nprocs=2, backend=None, timeout=30)
     assert results[0] in ("timed out after 1 s", "timed out after 2 s")
+    assert torch.equal(results[1], torch.full((3,), 2.5))
 
 
 def not_picklable_result() -> object:
@@ -112,12 +124,18 @@ def not_picklable_result() -> object:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(dk.LaunchError, match="cannot send"):
+    with pytest.raises(dk.InvalidValueError, match="cannot send .*module-level function"):
         dk.launch(lambda: None, nprocs=1)
-    with pytest.raises(dk.LaunchError, match="timeout"):
+    with pytest.raises(dk.InvalidValueError, match="timeout=0"):
         dk.launch(train_tiny, 1, nprocs=1, timeout=0)
-    with pytest.raises(dk.InvalidValueError, match="procs=0"):
+    with pytest.raises(dk.InvalidValueError, match="nprocs=0"):
         dk.launch(train_tiny, 1, nprocs=0)
+    with pytest.raises(dk.InvalidValueError, match="devices='gpu'"):
+        dk.launch(train_tiny, 1, devices="gpu")
+    with pytest.raises(dk.InvalidValueError, match="min_free_memory='1GiB'.*devices='cpu'"):
+        dk.launch(train_tiny, 1, devices="cpu", min_free_memory="1GiB")
+    with pytest.raises(dk.InvalidValueError, match="gpus_per_proc=2 with devices='cpu'"):
+        dk.launch(train_tiny, 1, devices="cpu", gpus_per_proc=2)
     with pytest.raises(dk.RankFailedError, match="rank 0 returned a value that cannot be sent back"):
         dk.launch(not_picklable_result, nprocs=1, backend=None)
 
@@ -201,3 +219,26 @@ def test_function_the_ranks_cannot_import(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "only_in_the_parent", module)
     with pytest.raises(dk.RankFailedError, match="cannot load the function to run"):
         dk.launch(module.work, nprocs=1, backend=None)
+
+
+def test_the_rank_that_failed_first_is_blamed_not_its_peers() -> None:
+    """No processes: the supervisor's choice among failures that arrived together."""
+    import shutil
+
+    from devicekit.parallel.allocation import plan_processes
+    from devicekit.parallel.launch import _Job
+
+    job = _Job(plan_processes("cpu", 3), b"", "gloo", None)
+    shutil.rmtree(job.workdir)
+    broken = 'File "/x/torch/distributed/distributed_c10d.py", line 1, in barrier\nRuntimeError'
+    # rank 0's barrier broke first in time order of arrival, but inside torch.distributed
+    job.receive(0, ("error", "RuntimeError: Connection closed by peer", broken, 100.0))
+    job.receive(2, ("error", "KeyError: 'x'", "Traceback: in load_batch\nKeyError", 100.2))
+    job.receive(1, ("error", "ValueError: bad shard", "Traceback: in step\nValueError", 100.1))
+    with pytest.raises(dk.RankFailedError, match="rank 1 of 3 failed: ValueError") as info:
+        job.blame()
+    assert info.value.rank == 1
+    job.failures = {0: job.failures[0]}  # only collective failures: the earliest of them
+    job.receive(2, ("error", "RuntimeError: timeout", broken, 99.0))
+    with pytest.raises(dk.RankFailedError, match="rank 2 of 3"):
+        job.blame()

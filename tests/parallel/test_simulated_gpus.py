@@ -56,9 +56,9 @@ def test_allocation_all_rounds_to_whole_processes(four_gpus: Path) -> None:
 
 
 def rank_view() -> dict[str, object]:
-    return {"visible": os.environ["CUDA_VISIBLE_DEVICES"],
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "leased": sorted(r.gpu_uuid for r in read_leases()),
-            "source": dk.dist.env().source}
+            "source": dk.dist.env().source, "threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def test_launch_gives_each_rank_its_own_leased_gpu(four_gpus: Path) -> None:
@@ -69,6 +69,41 @@ def test_launch_gives_each_rank_its_own_leased_gpu(four_gpus: Path) -> None:
         assert view["leased"] == sorted(visible)  # held while the ranks ran
         assert view["source"] == "devicekit"
     assert read_leases() == []  # and freed afterwards
+
+
+def test_launch_cpu_ranks_on_a_gpu_machine_lease_nothing(
+        four_gpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    views = dk.launch(rank_view, nprocs=2, devices="cpu", backend=None, timeout=60)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for view in views:
+        assert view["visible"] == ""      # CUDA hidden: gloo CPU ranks
+        assert view["leased"] == []       # and no GPU taken from anyone else
+        assert view["threads"] == str(max(1, (cores or 1) // 2))  # the cores are shared
+
+
+def test_launch_plans_for_each_devices_mode(four_gpus: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit.parallel.allocation import plan_processes
+    from devicekit.parallel.launch import _Job
+
+    cpu = plan_processes("cpu", None)
+    assert (cpu.nprocs, cpu.on_gpu) == (1, False)
+    visible = plan_processes("visible", None)  # one rank per visible GPU, nothing leased
+    assert (visible.nprocs, visible.on_gpu) == (4, False) and read_leases() == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
+    assert plan_processes("visible", None).nprocs == 2
+    assert plan_processes("visible", None, gpus_per_proc=2).nprocs == 1
+    shared = _Job(plan_processes("visible", 2), b"", None, None).variables(1, 29500)
+    assert "CUDA_VISIBLE_DEVICES" not in shared        # the caller's GPUs, as under torchrun
+    assert "DEVICEKIT_OWN_DEVICES" not in shared       # dk.dist.device(): the rank-th GPU
+    hidden = _Job(cpu, b"", None, None, hide_gpus=True).variables(0, 29500)
+    assert hidden["CUDA_VISIBLE_DEVICES"] == ""
+    auto = plan_processes("auto", 2)
+    try:
+        assert auto.on_gpu and len(read_leases()) == 2
+    finally:
+        auto.release()
 
 
 LEASE_PROBE = textwrap.dedent(

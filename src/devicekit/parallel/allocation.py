@@ -3,6 +3,8 @@
 GPUs are chosen and leased in one step by ``devicekit.hardware.selection.select_gpus``; this
 module only decides the count and splits the selection into per-process groups. Where there
 are no GPUs and none were asked for explicitly, processes run on the CPU (gloo).
+``plan_processes`` adds ``dk.launch``'s ``devices=`` modes: ``"cpu"`` (CPU ranks, nothing
+leased, even on a GPU machine) and ``"visible"`` (ranks share the caller's GPUs, nothing leased).
 
 Usage::
 
@@ -13,6 +15,8 @@ Usage::
     for rank in range(plan.nprocs):
         print(rank, plan.visible_devices(rank))
     plan.release()
+
+    plan_processes("cpu", nprocs=2).reason   # "devices='cpu': 2 CPU process(es) with gloo, ..."
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from devicekit.errors import InvalidValueError, NoDeviceAvailable
 from devicekit.units import parse_size
 
-__all__ = ["Allocation", "allocate"]
+__all__ = ["Allocation", "allocate", "plan_processes", "devices_mode", "positive_count", "DEVICE_MODES"]
 
 
 @dataclass
@@ -147,6 +151,60 @@ def allocate(
     names = ", ".join(f"GPU {g.index} ({g.name}, {_free(g)} free)" for g in selection.gpus)
     reason = f"leased {names} for {nprocs} process(es) x {gpus_per_proc} GPU(s)"
     return Allocation(nprocs, gpus_per_proc, selection, reason, list(selection.rejected))
+
+
+#: ``launch(devices=...)``: lease GPUs (CPU without any) / CPU ranks, GPUs hidden / see every
+#: GPU of the caller, nothing leased
+DEVICE_MODES = ("auto", "cpu", "visible")
+
+
+def devices_mode(devices: Any, gpus_per_proc: int = 1, min_free_memory: Any = None) -> str:
+    """``devices`` checked and normalised to one of :data:`DEVICE_MODES`."""
+    mode = devices.strip().lower() if isinstance(devices, str) else devices
+    if mode not in DEVICE_MODES:
+        raise InvalidValueError(f"devices={devices!r} must be one of 'auto', 'cpu' or 'visible'")
+    if mode != "auto" and min_free_memory is not None:
+        raise InvalidValueError(
+            f"min_free_memory={min_free_memory!r} filters the GPUs to lease but devices={mode!r}"
+            " leases none; drop it or use devices='auto'"
+        )
+    if mode == "cpu" and gpus_per_proc != 1:
+        raise InvalidValueError(
+            f"gpus_per_proc={gpus_per_proc!r} with devices='cpu', which gives the ranks no GPU;"
+            " drop it or use devices='auto'"
+        )
+    return mode
+
+
+def plan_processes(devices: str, nprocs: int | None, gpus_per_proc: int = 1,
+                   min_free_memory: int | str | None = None) -> Allocation:
+    """How many ranks ``launch(devices=...)`` starts and the GPUs it leases for them (if any)."""
+    from devicekit.hardware.inventory import gpus as inventory_gpus
+
+    if devices == "auto":
+        if not inventory_gpus():
+            return allocate(None, nprocs, gpus_per_proc=gpus_per_proc)
+        gpus: int | str = "all" if nprocs is None else positive_count(nprocs) * gpus_per_proc
+        return allocate(gpus, None, gpus_per_proc=gpus_per_proc, min_free_memory=min_free_memory)
+    if devices == "cpu":
+        count = positive_count(nprocs if nprocs is not None else 1)
+        return Allocation(count, 1, None,
+                          f"devices='cpu': {count} CPU process(es) with gloo, GPUs hidden")
+    from devicekit.hardware.visible import visible_devices
+
+    visible = len(visible_devices()) if inventory_gpus() else 0
+    per_proc = positive_count(gpus_per_proc, "gpus_per_proc")
+    count = positive_count(nprocs) if nprocs is not None else max(1, visible // per_proc)
+    return Allocation(count, per_proc, None,
+                      f"devices='visible': {count} process(es) sharing the {visible} visible"
+                      " GPU(s), none leased")
+
+
+def positive_count(value: Any, name: str = "procs") -> int:
+    """``value`` if it is a positive integer; otherwise a one-line error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidValueError(f"{name}={value!r} must be a positive integer")
+    return value
 
 
 def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,

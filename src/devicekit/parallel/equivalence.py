@@ -182,13 +182,14 @@ def _run_parallel(parallel: str | Callable[..., Any], model_fn: Callable[[], nn.
         grads = _ddp_rank_step(model_fn, state, batch, loss_fn, seed)
         return grads, dist.get_world_size(), "DDP"
     if parallel == "ddp":
-        from devicekit.parallel.gloo_ranks import run_gloo_ranks
+        from devicekit.parallel.launch import launch
 
         cpu = torch.device("cpu")
         cpu_state = {k: v.detach().cpu() for k, v in state.items()}
         cpu_batch = tuple(_moved(part, cpu) for part in batch)  # the ranks are CPU gloo processes
-        per_rank = run_gloo_ranks(_ddp_rank_step, model_fn, cpu_state, cpu_batch, loss_fn,
-                                  seed, world_size=world_size, timeout=timeout)
+        # devices="cpu": gloo CPU ranks even on a GPU machine, and no GPU leased for a check
+        per_rank = launch(_ddp_rank_step, model_fn, cpu_state, cpu_batch, loss_fn, seed,
+                          nprocs=world_size, devices="cpu", timeout=timeout)
         for rank, grads in enumerate(per_rank[1:], start=1):
             for name, grad in grads.items():
                 if not torch.equal(grad, per_rank[0][name]):
@@ -286,7 +287,8 @@ def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
     ``model_fn`` need not be seeded. ``batch`` is ``(inputs, targets)``; with ``"ddp"`` its size
     must divide by ``world_size`` (default 2) and rank ``r`` gets the ``r``-th contiguous shard. For
     ``"ddp"``, ``model_fn`` and ``loss_fn`` must be picklable (module-level functions,
-    ``nn.Module`` losses). ``timeout`` bounds the whole multi-process step.
+    ``nn.Module`` losses). The ranks are started by :func:`devicekit.launch` (``devices="cpu"``:
+    CUDA hidden, nothing leased); ``timeout`` bounds their step once they are up.
 
     Called inside a running distributed job (``devicekit run``, torchrun, ``dk.launch``: a
     process group with several ranks), ``"ddp"`` uses that job's ranks and devices instead of

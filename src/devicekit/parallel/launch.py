@@ -3,10 +3,14 @@
 Each rank gets the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT on a free port) and CUDA_VISIBLE_DEVICES naming only its own leased
 GPU(s); the process group is created for it (nccl on CUDA, gloo otherwise) unless
-``backend=None``. The return values come back in rank order. When a rank raises, the others
-are stopped within seconds and :class:`RankFailedError` carries the rank and its traceback;
-with ``timeout``, ranks that have not returned in time have their Python stacks dumped and
-:class:`RankHangError` names them. Ranks die with the parent, so none is ever orphaned.
+``backend=None``. ``devices="cpu"`` runs N gloo CPU ranks even on a GPU machine (GPUs hidden,
+nothing leased); ``devices="visible"`` lets every rank see the caller's GPUs without leasing
+them, as torchrun does. The return values come back in rank order, copied by value (tensors
+included). When a rank raises, the others are stopped within seconds and
+:class:`RankFailedError` names the rank that failed first (not a peer whose collective broke
+because of it) with its traceback; with ``timeout``, ranks that have not returned in time have
+their Python stacks dumped and :class:`RankHangError` names them. Ranks die with the parent,
+so none is ever orphaned.
 
 Usage::
 
@@ -19,6 +23,7 @@ Usage::
 
     if __name__ == "__main__":                 # needed: ranks re-import this file (spawn)
         losses = dk.launch(train, 100, nprocs=2, timeout=600)
+        grads = dk.launch(step, nprocs=2, devices="cpu", timeout=60)   # CPU ranks on any machine
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ import signal
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for
 from typing import Any
 
-from devicekit.errors import LaunchError, RankFailedError, RankHangError
-from devicekit.parallel.allocation import Allocation, allocate
+from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, RankHangError
+from devicekit.parallel.allocation import Allocation, devices_mode, plan_processes, positive_count
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
 from devicekit.parallel.rank_process import STACK_SIGNAL, rank_main
@@ -63,6 +69,7 @@ def launch(
     fn: Callable[..., Any],
     *args: Any,
     nprocs: int | None = None,
+    devices: str = "auto",
     backend: str | None = "auto",
     timeout: float | None = None,
     gpus_per_proc: int = 1,
@@ -71,46 +78,52 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank; return each rank's value, in rank order.
 
-    ``nprocs``: processes to start. With GPUs, the default is one per GPU that passes the
-    filters (each leased, ``gpus_per_proc`` per process); without a GPU it is 1, and
-    ``nprocs=N`` starts N CPU ranks on gloo. ``backend``: ``"auto"`` (nccl on CUDA, gloo
-    otherwise), a backend name, or None to leave the process group to ``fn``. ``timeout``:
-    seconds the whole job may take before the hang watchdog fires. ``fn`` and its arguments
-    must be picklable (a module-level function), and the calling script needs the
-    ``if __name__ == "__main__":`` guard.
+    ``nprocs``: processes to start (default below). ``devices``:
+
+    - ``"auto"``: with GPUs, lease ``gpus_per_proc`` per process that pass the filters
+      (default: one process per such GPU) and show each rank only its own; without a GPU,
+      ``nprocs`` (default 1) CPU ranks on gloo.
+    - ``"cpu"``: ``nprocs`` (default 1) CPU ranks on gloo even on a GPU machine: CUDA is
+      hidden from them and nothing is leased (tests, gradient checks, CPU-only work).
+    - ``"visible"``: nothing leased; every rank sees the GPUs this process sees (default: one
+      rank per ``gpus_per_proc`` of them) and ``dk.dist.device()`` gives rank ``r`` the
+      ``r``-th, as under torchrun. For GPUs you already own, or ranks that share a GPU.
+
+    ``backend``: ``"auto"`` (nccl on CUDA, gloo otherwise), a backend name, or None to leave
+    the process group to ``fn``. ``timeout``: seconds the job may take, once every rank has
+    started, before the hang watchdog fires. ``min_free_memory`` filters the GPUs to lease
+    (``devices="auto"`` only). With several ranks and no ``OMP_NUM_THREADS`` of yours, each
+    rank gets ``OMP_NUM_THREADS`` = usable cores / ranks (at least 1), so ranks do not fight
+    over the cores. ``fn`` and its arguments must be picklable (a module-level function), and
+    the calling script needs the ``if __name__ == "__main__":`` guard.
     """
-    if timeout is not None and timeout <= 0:
-        raise LaunchError(f"timeout={timeout!r} must be a positive number of seconds")
-    gpus: int | str | None = None if nprocs is None else nprocs * gpus_per_proc
-    allocation = _allocate(gpus, nprocs, gpus_per_proc, min_free_memory)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout <= 0):
+        raise InvalidValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    mode = devices_mode(devices, gpus_per_proc, min_free_memory)
+    if nprocs is not None:
+        positive_count(nprocs, "nprocs")
     try:
-        try:
-            payload = pickle.dumps((fn, args, kwargs))
-        except Exception as exc:
-            raise LaunchError(
-                f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the ranks"
-                f" ({exc}); use a module-level function and picklable arguments"
-            ) from None
-        return _Job(allocation, payload, backend, timeout).run()
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise InvalidValueError(
+            f"cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the ranks"
+            f" ({exc}); use a module-level function and picklable arguments"
+        ) from None
+    allocation = plan_processes(mode, nprocs, gpus_per_proc, min_free_memory)
+    try:
+        return _Job(allocation, payload, backend, timeout, hide_gpus=mode == "cpu").run()
     finally:
         allocation.release()
-
-
-def _allocate(gpus: int | str | None, nprocs: int | None, per_proc: int, min_free: Any) -> Allocation:
-    from devicekit.hardware.inventory import gpus as inventory_gpus
-
-    if not inventory_gpus():
-        return allocate(None, nprocs, gpus_per_proc=per_proc)
-    return allocate("all" if gpus is None else gpus, None, gpus_per_proc=per_proc,
-                    min_free_memory=min_free)
 
 
 class _Job:
     """The running ranks of one ``launch`` call and their supervision."""
 
     def __init__(self, allocation: Allocation, payload: bytes, backend: str | None,
-                 timeout: float | None) -> None:
+                 timeout: float | None, hide_gpus: bool = False) -> None:
         self.allocation = allocation
+        self.hide_gpus = hide_gpus
         self.payload = payload
         self.backend = backend
         self.timeout = timeout
@@ -120,6 +133,8 @@ class _Job:
         self.conns: dict[Any, int] = {}
         self.results: dict[int, Any] = {}
         self.ready: set[int] = set()
+        #: rank -> (when it failed, one-line message, traceback) for ranks that failed
+        self.failures: dict[int, tuple[float, str, str]] = {}
 
     def variables(self, rank: int, port: int) -> dict[str, str]:
         world = str(self.world)
@@ -133,6 +148,10 @@ class _Job:
             env["CUDA_VISIBLE_DEVICES"] = self.allocation.visible_devices(rank)
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env[OWN_DEVICES_ENV] = "1"
+        elif self.hide_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, _usable_cores() // self.world))
         return env
 
     def stack_path(self, rank: int) -> str:
@@ -140,7 +159,18 @@ class _Job:
 
     def run(self) -> list[Any]:
         ctx = multiprocessing.get_context("spawn")
-        port = free_port()
+        try:
+            port = free_port()
+            self.start(ctx, port)
+            self.supervise()
+            return [self.results[rank] for rank in range(self.world)]
+        finally:
+            self.stop()
+            for conn in self.conns:
+                conn.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def start(self, ctx: Any, port: int) -> None:
         try:
             for rank in range(self.world):
                 reader, writer = ctx.Pipe(duplex=False)
@@ -155,13 +185,11 @@ class _Job:
                 writer.close()
                 self.procs.append(proc)
                 self.conns[reader] = rank
-            self.supervise()
-            return [self.results[rank] for rank in range(self.world)]
-        finally:
-            self.stop()
-            for conn in self.conns:
-                conn.close()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        except OSError as exc:  # out of processes, file descriptors or memory
+            raise LaunchError(
+                f"could not start rank {len(self.procs)} of {self.world} ({exc}); free some"
+                " resources or start fewer processes (nprocs=)"
+            ) from exc
 
     def supervise(self) -> None:
         """Wait for every rank's result; fail fast on an error or a death; fire the watchdog.
@@ -187,20 +215,38 @@ class _Job:
             if left is not None and left <= 0:
                 self.hang(started=deadline is not None)
             ready = wait_for(list(open_conns) + list(sentinels), timeout=left)
-            for item in ready:
-                if item in open_conns:
-                    rank = open_conns[item]
-                    try:
-                        message = item.recv()
-                    except (EOFError, OSError):
-                        open_conns.pop(item)
-                        continue  # died before reporting: the sentinel tells how
-                    if message[0] != "ready":
-                        open_conns.pop(item)
-                    self.receive(rank, message)
-                elif item in sentinels:
-                    rank = sentinels.pop(item)
-                    self.reap(rank, open_conns)
+            self.handle(ready, open_conns, sentinels)
+            if self.failures:
+                # a failing rank makes its peers' collectives fail a moment later: take in
+                # everything that has already happened, then blame the rank that failed first
+                while ready := wait_for(list(open_conns) + list(sentinels), timeout=0):
+                    self.handle(ready, open_conns, sentinels)
+                self.blame()
+
+    def handle(self, ready: list[Any], open_conns: dict[Any, int], sentinels: dict[Any, int]) -> None:
+        for item in ready:
+            if item in open_conns:
+                rank = open_conns[item]
+                try:
+                    data = item.recv_bytes()
+                except (EOFError, OSError):
+                    open_conns.pop(item)
+                    continue  # died before reporting: the sentinel tells how
+                message = self.load(rank, data)
+                if message[0] != "ready":
+                    open_conns.pop(item)
+                self.receive(rank, message)
+            elif item in sentinels:
+                rank = sentinels.pop(item)
+                self.reap(rank, open_conns)
+
+    def load(self, rank: int, data: bytes) -> tuple[Any, ...]:
+        """A rank's message; results are plain pickles (by value: nothing outlives the rank)."""
+        try:
+            return pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the rank can import
+            return ("error", f"rank {rank} returned a value that cannot be loaded here:"
+                    f" {type(exc).__name__}: {exc}", traceback.format_exc(), time.time())
 
     def receive(self, rank: int, message: tuple[Any, ...]) -> None:
         if message[0] == "ready":
@@ -209,27 +255,39 @@ class _Job:
         if message[0] == "ok":
             self.results[rank] = message[1]
             return
-        _, summary, text = message
-        raise RankFailedError(f"rank {rank} of {self.world} failed: {summary}", rank, text)
+        _, summary, text, when = message
+        self.failures[rank] = (when, f"rank {rank} of {self.world} failed: {summary}", text)
+
+    def blame(self) -> None:
+        """Raise for the first rank to fail, preferring failures outside torch.distributed: a
+        collective that breaks because a peer died or raised is the consequence, not the cause."""
+        def order(rank: int) -> tuple[bool, float]:
+            when, _, text = self.failures[rank]
+            return _in_collective(text), when
+
+        rank = min(self.failures, key=order)
+        _, message, text = self.failures[rank]
+        raise RankFailedError(message, rank, text)
 
     def reap(self, rank: int, open_conns: dict[Any, int]) -> None:
         """A rank exited: collect a result still in its pipe, or report how it died."""
         for conn, owner in list(open_conns.items()):
             while owner == rank and rank not in self.results and conn.poll(0):
                 try:
-                    self.receive(rank, conn.recv())
+                    self.receive(rank, self.load(rank, conn.recv_bytes()))
                 except (EOFError, OSError):
                     break
             if owner == rank:
                 open_conns.pop(conn)
-        if rank in self.results:
+        if rank in self.results or rank in self.failures:
             return
         self.procs[rank].join(timeout=5)  # the sentinel closes a moment before the exit status exists
         code = self.procs[rank].exitcode
         how = f"exit code {code}"
         if code is not None and code < 0:
             how = f"signal {signal.Signals(-code).name}"
-        raise RankFailedError(f"rank {rank} of {self.world} died with {how} before returning", rank)
+        self.failures[rank] = (time.time(), f"rank {rank} of {self.world} died with {how} before"
+                                " returning", "")
 
     def hang(self, started: bool) -> None:
         stuck = [rank for rank in range(self.world) if rank not in self.results]
@@ -264,7 +322,12 @@ class _Job:
         raise RankHangError(message, culprits, stacks)
 
     def stop(self) -> None:
-        """SIGTERM every rank still alive (and its children), then SIGKILL after a grace period."""
+        """SIGTERM every rank still alive (and its children), then SIGKILL after a grace period.
+
+        The ranks themselves are stopped and reaped through multiprocessing (a rank reaped
+        behind its back would stay "alive" in ``multiprocessing.active_children()`` for
+        ever); their own children (data-loader workers, ...) through psutil.
+        """
         import psutil
 
         alive = [p for p in self.procs if p.is_alive()]
@@ -273,9 +336,7 @@ class _Job:
         family: list[psutil.Process] = []
         for proc in alive:
             try:
-                parent = psutil.Process(proc.pid)
-                family.extend(parent.children(recursive=True))
-                family.append(parent)
+                family.extend(psutil.Process(proc.pid).children(recursive=True))
             except psutil.NoSuchProcess:
                 continue
         for member in family:
@@ -283,15 +344,34 @@ class _Job:
                 member.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, survivors = psutil.wait_procs(family, timeout=STOP_GRACE_SECONDS)
+        for proc in alive:
+            proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _, survivors = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
         for member in survivors:
             try:
                 member.kill()
             except psutil.NoSuchProcess:
                 pass
+        for proc in alive:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(STOP_GRACE_SECONDS)
         psutil.wait_procs(survivors, timeout=STOP_GRACE_SECONDS)
-        for proc in self.procs:
-            proc.join(timeout=0.1)
+
+
+def _in_collective(text: str) -> bool:
+    """True for a traceback that goes through torch.distributed (most likely a broken collective)."""
+    return "torch/distributed" in text.replace("\\", "/")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _innermost_frame(stack: str) -> str:

@@ -6,7 +6,9 @@ plus a thread watching the parent's pid everywhere), so no rank is ever orphaned
 stack; it sets its rank variables (and CUDA_VISIBLE_DEVICES) *before* unpickling the user's
 function, so CUDA sees only this rank's GPU(s); then it optionally joins the process group,
 sends ``("ready",)``, runs the function and sends ``("ok", value)`` or
-``("error", summary, traceback)`` back.
+``("error", summary, traceback, time)`` back. Messages are plain pickles (``send_bytes``), not
+multiprocessing's: a tensor travels by value instead of as a shared-memory handle that dies
+with the rank.
 
 Usage (internal; ``dk.launch`` starts it through multiprocessing's spawn context)::
 
@@ -53,6 +55,14 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def _limit_threads(threads: str | None) -> None:
+    """Apply ``OMP_NUM_THREADS`` to a torch the rank imported before it was set (spawn re-runs
+    the caller's imports); a torch imported later reads the variable itself."""
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:
+        torch.set_num_threads(int(threads))
+
+
 def rank_main(
     payload: bytes,
     variables: dict[str, str],
@@ -68,6 +78,10 @@ def rank_main(
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
     os.environ.update(variables)
     rank = int(variables.get("RANK", "0"))
+
+    def send(message: tuple[Any, ...]) -> None:
+        conn.send_bytes(pickle.dumps(message))
+
     try:
         try:
             fn, args, kwargs = pickle.loads(payload)
@@ -76,9 +90,10 @@ def rank_main(
                 f"the rank cannot load the function to run ({type(exc).__name__}: {exc}); define it"
                 " at module level in an importable file (spawned ranks re-import it)"
             ) from None
+        _limit_threads(variables.get("OMP_NUM_THREADS"))
         if backend is not None:
             import torch.distributed  # noqa: F401 - slow on a busy machine; not the job's time
-        conn.send(("ready",))  # started: the hang watchdog's clock runs from here
+        send(("ready",))  # started: the hang watchdog's clock runs from here
         if backend is not None:
             from devicekit.parallel import dist
 
@@ -89,15 +104,16 @@ def rank_main(
         if exc.code in (0, None):
             message = ("ok", None)
         else:
-            message = ("error", f"SystemExit: {exc.code}", traceback.format_exc())
+            message = ("error", f"SystemExit: {exc.code}", traceback.format_exc(), time.time())
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        message = ("error", summary, traceback.format_exc())
+        # time-stamped here, before the group is torn down: the parent blames the earliest
+        message = ("error", summary, traceback.format_exc(), time.time())
     try:
-        conn.send(message)
+        send(message)
     except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
-        conn.send(("error", f"rank {rank} returned a value that cannot be sent back: {exc}",
-                   traceback.format_exc()))
+        send(("error", f"rank {rank} returned a value that cannot be sent back: {exc}",
+              traceback.format_exc(), time.time()))
     finally:
         conn.close()
     if backend is not None:
