@@ -97,7 +97,11 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
         def __str__(self) -> str:
             return MESSAGES.get(self.value, f"NVML Error with code {self.value}")  # type: ignore[attr-defined]
 
+    class NVMLLibraryMismatchError(Exception):
+        """Not an NVMLError: what the real unversioned wrappers raise on an older driver."""
+
     mod.NVMLError = NVMLError
+    mod.NVMLLibraryMismatchError = NVMLLibraryMismatchError
     for name, code in ERROR_CODES.items():  # the same class names the real module generates
         class_name = "NVMLError_" + string.capwords(name.replace("NVML_ERROR_", ""), "_").replace("_", "")
 
@@ -237,12 +241,37 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
         return [types.SimpleNamespace(pid=pid, usedGpuMemory=mem, gpuInstanceId=0xFFFFFFFF,
                                       computeInstanceId=0xFFFFFFFF) for pid, mem in entries]
 
+    def versioned(fn: Any) -> Any:
+        """Like the real ``throwOnVersionMismatch``: the unversioned name calls ``_v3``, and a
+        driver without ``_v3`` (before R510) raises ``NVMLLibraryMismatchError``."""
+        @functools.wraps(fn)
+        def wrapper(handle: Any) -> Any:
+            if isinstance(handle, FakeDevice) and fn.__name__ + "_v3" in handle.errors:
+                raise NVMLLibraryMismatchError("Unversioned function called and the pyNVML "
+                                               "version does not match the NVML lib version.")
+            return fn(handle)
+
+        return wrapper
+
+    @versioned
     @api
     def nvmlDeviceGetComputeRunningProcesses(handle: FakeDevice) -> list[Any]:
         return procs(handle.compute_procs)
 
+    @versioned
     @api
     def nvmlDeviceGetGraphicsRunningProcesses(handle: FakeDevice) -> list[Any]:
         return procs(handle.graphics_procs)
+
+    @api
+    def nvmlDeviceGetComputeRunningProcesses_v2(handle: FakeDevice) -> list[Any]:
+        return procs(handle.compute_procs)
+
+    @api
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(handle: FakeDevice) -> list[Any]:
+        return procs(handle.graphics_procs)
+
+    mod.nvmlDeviceGetComputeRunningProcesses = nvmlDeviceGetComputeRunningProcesses
+    mod.nvmlDeviceGetGraphicsRunningProcesses = nvmlDeviceGetGraphicsRunningProcesses
 
     return mod

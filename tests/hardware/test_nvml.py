@@ -242,3 +242,16 @@ def test_gpu_fenced_off_by_a_job_allocation_is_left_out(fake_nvml):
     assert [(g.index, g.uuid) for g in gpus] == [(0, UUID0), (2, "GPU-3")]  # indices kept
     report = collect_status()
     assert any("GPU 1 is not accessible" in w for w in report.warnings)
+
+
+def test_processes_on_a_driver_older_than_the_bindings(fake_nvml):
+    """Before R510 the driver has no ``_v3`` process calls: pynvml's unversioned wrapper then
+    raises NVMLLibraryMismatchError (not an NVMLError); the ``_v2`` calls still list them."""
+    me = os.getpid()
+    module = fake_nvml([FakeDevice(UUID0, compute_procs=[(me, 2**30)], errors={
+        "nvmlDeviceGetComputeRunningProcesses_v3": FUNCTION_NOT_FOUND,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": FUNCTION_NOT_FOUND,
+    })])
+    (gpu,) = NVMLBackend().snapshot()
+    assert [(p.pid, p.memory) for p in gpu.processes] == [(me, 2**30)]
+    assert module.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1

@@ -317,15 +317,9 @@ class NVMLBackend:
 
     def _processes(self, handle: Any, label: str) -> tuple[GPUProcess, ...]:
         """Compute and graphics processes, one entry per pid, with user and command via psutil."""
-        nvml = self._nvml
         memory_by_pid: dict[int, int | None] = {}
-        for fn_name in ("nvmlDeviceGetComputeRunningProcesses",
-                        "nvmlDeviceGetGraphicsRunningProcesses"):
-            fn = getattr(nvml, fn_name, None)
-            if fn is None:
-                continue
-            found = self._optional(fn, handle, what=f"list {label} processes") or []
-            for proc in found:
+        for kind in ("Compute", "Graphics"):
+            for proc in self._running(handle, kind, label):
                 pid = int(proc.pid)
                 raw = getattr(proc, "usedGpuMemory", None)  # None: the driver will not say
                 memory = int(raw) if raw is not None else None
@@ -334,6 +328,32 @@ class NVMLBackend:
                 if pid not in memory_by_pid or (memory is not None and (known or 0) < memory):
                     memory_by_pid[pid] = memory
         return tuple(_describe_process(pid, memory) for pid, memory in sorted(memory_by_pid.items()))
+
+    def _running(self, handle: Any, kind: str, label: str) -> list[Any]:
+        """``nvmlDeviceGet{kind}RunningProcesses``, falling back to ``_v2`` on older drivers.
+
+        nvidia-ml-py's unversioned call uses the ``_v3`` C function, which drivers before R510
+        lack; it then raises ``NVMLLibraryMismatchError``, which is not an ``NVMLError``.
+        """
+        nvml = self._nvml
+        too_new = (*_error_classes(nvml, ("NVMLError_FunctionNotFound",)),
+                   *(c for c in (getattr(nvml, "NVMLLibraryMismatchError", None),)
+                     if isinstance(c, type)))
+        for suffix in ("", "_v2"):
+            fn = getattr(nvml, f"nvmlDeviceGet{kind}RunningProcesses{suffix}", None)
+            if fn is None:
+                continue
+            try:
+                return list(fn(handle))
+            except too_new:
+                continue
+            except self._unsupported:
+                return []
+            except nvml.NVMLError as exc:
+                raise BackendError(
+                    f"NVML failed to list {label} processes ({exc}); check 'nvidia-smi' and the driver"
+                ) from None
+        return []
 
 
 def _sample_value(sample: Any) -> float:
