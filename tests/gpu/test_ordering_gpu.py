@@ -23,10 +23,13 @@ import devicekit as dk
 from devicekit.hardware.visible import torch_ordinal
 mode = sys.argv[1]
 found = dk.gpus()
+if mode == "probed":  # cuInit now: CUDA_VISIBLE_DEVICES set later is ignored by CUDA
+    import torch
+    torch.cuda.is_available()
 if mode == "reversed":
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in reversed(found))
 sel = dk.select_gpus("all", lease=False)
-if mode == "narrowed":
+if mode in ("narrowed", "probed"):
     sel = dk.select_gpus(1, lease=False, order="index", exclude=[g.index for g in found[:-1]])
     os.environ["CUDA_VISIBLE_DEVICES"] = sel.cuda_visible_devices
 before = [d.index for d in sel.devices]           # computed from the environment
@@ -57,7 +60,7 @@ def same(nvml_uuid: str, torch_uuid: str) -> bool:
     return strip(nvml_uuid) == strip(torch_uuid)
 
 
-@pytest.mark.parametrize("mode", ["all", "reversed", "narrowed"])
+@pytest.mark.parametrize("mode", ["all", "reversed", "narrowed", "probed"])
 def test_devices_point_at_the_selected_cards(mode):
     result = run(mode)
     assert result["before"] == result["after"]

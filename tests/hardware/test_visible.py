@@ -155,3 +155,33 @@ def test_torch_ordinal_warns_when_fastest_first_must_be_guessed(mixed, monkeypat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch_ordinal(mixed[1]) == 1
+
+
+def test_torch_ordinal_after_is_available_uses_cudas_list(monkeypatch):
+    """``torch.cuda.is_available()`` calls cuInit without marking torch initialised: CUDA has
+    already read CUDA_VISIBLE_DEVICES, so a value set afterwards must not be trusted."""
+    from devicekit.hardware import visible
+
+    props = [types.SimpleNamespace(uuid=U[0][4:]), types.SimpleNamespace(uuid=U[1][4:])]
+    cuda = types.SimpleNamespace(is_initialized=lambda: False, device_count=lambda: 2,
+                                 get_device_properties=lambda i: props[i])
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(visible, "_driver_initialised", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", U[1])  # set after cuInit: CUDA ignores it
+    assert torch_ordinal(real(1, U[1]), gpus=[real(0, U[0]), real(1, U[1])]) == 1
+    monkeypatch.setattr(visible, "_driver_initialised", lambda: False)
+    assert torch_ordinal(real(1, U[1]), gpus=[real(0, U[0]), real(1, U[1])]) == 0
+
+
+def test_driver_probe_never_loads_the_driver():
+    """Without libcuda already in the process the probe says False and loads nothing."""
+    from devicekit.hardware.visible import _driver_initialised
+
+    def loaded() -> bool:
+        with open("/proc/self/maps") as maps:
+            return "libcuda.so" in maps.read()
+
+    if loaded():
+        pytest.skip("libcuda is already loaded in this test process")
+    assert _driver_initialised() is False
+    assert not loaded()

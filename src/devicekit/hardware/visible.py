@@ -217,12 +217,35 @@ def _normalise(uuid: str) -> str:
 
 
 def _cuda_initialised() -> bool:
+    """True once CUDA in this process has read ``CUDA_VISIBLE_DEVICES``."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     try:
-        return bool(torch.cuda.is_initialized())
+        if torch.cuda.is_initialized():
+            return True
     except Exception:  # a half-imported or broken torch: fall back to the environment
+        return False
+    # torch.cuda.is_available() / device_count() call cuInit without marking torch initialised
+    return _driver_initialised()
+
+
+def _driver_initialised() -> bool:
+    """True when this process has already called ``cuInit`` (e.g. ``torch.cuda.is_available()``).
+
+    Asks an already loaded ``libcuda.so.1`` only (``RTLD_NOLOAD``), so the driver is never
+    loaded nor initialised here: ``cuDeviceGetCount`` fails with NOT_INITIALIZED before ``cuInit``.
+    """
+    import ctypes
+
+    no_load = getattr(os, "RTLD_NOLOAD", None)
+    if no_load is None:
+        return False
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=no_load)
+        count = ctypes.c_int(0)
+        return int(lib.cuDeviceGetCount(ctypes.byref(count))) == 0  # 0: CUDA_SUCCESS
+    except (OSError, AttributeError):  # not loaded (or no such symbol): CUDA not initialised
         return False
 
 
@@ -230,7 +253,8 @@ def torch_ordinal(gpu: GPU | str, gpus: Sequence[GPU] | None = None,
                   env: Mapping[str, str] | None = None) -> int:
     """The ordinal ``N`` such that ``cuda:N`` is ``gpu`` in this process.
 
-    If torch has already initialised CUDA here, CUDA's own device list is searched by UUID
+    If CUDA is already initialised here (by torch, or by the driver call behind
+    ``torch.cuda.is_available()``), CUDA's own device list is searched by UUID
     (``torch.cuda.get_device_properties(i).uuid``): ``CUDA_VISIBLE_DEVICES`` was read at
     initialisation and later changes to it no longer matter. Otherwise the ordinal is computed
     from ``CUDA_VISIBLE_DEVICES``/``CUDA_DEVICE_ORDER`` as they are now, which is what CUDA will
