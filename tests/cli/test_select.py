@@ -145,3 +145,17 @@ def test_wait_until_a_leased_gpu_is_released(simulate, capsys):
 def test_all_eligible(three, capsys):
     code, out, _ = run_cli(capsys, "-n", "all", "--max-util", "50%", "-q")
     assert code == 0 and out.strip() == f"{three[1].uuid},{three[0].uuid}"
+
+
+def test_ordering_warning_is_one_devicekit_line(simulate, tmp_path):
+    """A DeviceOrderWarning reaches the shell as one 'devicekit: warning:' line, not Python's
+    'file.py:245: DeviceOrderWarning' plus a line of devicekit's source code."""
+    a100 = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": "40GiB", "compute_capability": "8.0"}
+    path = simulate([h100(compute_capability="9.0"), a100])
+    env = dict(os.environ, PYTHONPATH=SRC, DEVICEKIT_SIMULATE=str(path), CUDA_VISIBLE_DEVICES="1")
+    done = subprocess.run([sys.executable, "-m", "devicekit", "select", "-q"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("devicekit: warning: CUDA_VISIBLE_DEVICES='1' uses indices")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
+from typing import Any, TextIO
 
 import click
 
@@ -69,8 +71,27 @@ def cli(simulate: str | None) -> None:
         os.environ["DEVICEKIT_SIMULATE"] = os.path.abspath(simulate)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None,
+                  *, _default: Any = warnings.showwarning) -> None:
+    """devicekit's own warnings as one ``devicekit: warning: ...`` line; others as Python shows them."""
+    if category.__module__.split(".")[0] == "devicekit":
+        click.echo(f"devicekit: warning: {message}", err=True)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; user errors print one line on stderr, never a traceback."""
+    previous = warnings.showwarning
+    warnings.showwarning = _show_warning
+    try:
+        _main(argv)
+    finally:
+        warnings.showwarning = previous
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="devicekit", standalone_mode=False)
     except click.exceptions.Abort:
