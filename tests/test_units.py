@@ -15,7 +15,8 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10XB", "", "GiB", "-5GiB", "1..2G", -1, True, None, float("nan")])
+@pytest.mark.parametrize("bad", ["10XB", "", "GiB", "-5GiB", "1..2G", -1, True, None, float("nan"),
+                                 "1e400GiB", "1e309"])
 def test_parse_size_rejects_with_value_named(bad):
     with pytest.raises(InvalidSizeError) as info:
         parse_size(bad, name="--min-free")

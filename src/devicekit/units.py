@@ -62,7 +62,10 @@ def parse_size(value: str | int | float, *, name: str = "size") -> int:
         raise InvalidSizeError(
             f"{name} {value!r} has unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
         )
-    return int(float(number) * factor)
+    amount = float(number) * factor
+    if not math.isfinite(amount):  # "1e400GiB": no machine has that much, and int() would crash
+        raise InvalidSizeError(f"{name} {value!r} is too large to be a size; write e.g. '20GiB'")
+    return int(amount)
 
 
 def format_size(num_bytes: int | float, *, precision: int = 1) -> str:
