@@ -47,6 +47,19 @@ def test_public_alias(simulate):
          "gpus[0].utilization"),
         (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB",
                                "processes": [{"pid": "abc"}]}]}), "processes[0].pid"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB",
+                               "processes": [{"pid": 1, "user": 5}]}]}), "processes[0].user"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB",
+                               "compute_capability": [float("inf"), 0]}]}),
+         "gpus[0].compute_capability"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB", "utilization": float("nan")}]}),
+         "gpus[0].utilization"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB", "uuid": "GPU-a"},
+                              {"name": "y", "memory_total": "1GiB", "uuid": "GPU-a"}]}),
+         "gpus[1].uuid"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB",
+                               "mig": [{"memory_total": "1GiB", "memory_used": "2GiB"}]}]}),
+         "mig[0].memory_used"),
     ],
 )
 def test_malformed_file_names_file_and_key(tmp_path, monkeypatch, content, needle):
@@ -62,4 +75,12 @@ def test_malformed_file_names_file_and_key(tmp_path, monkeypatch, content, needl
 def test_missing_file(tmp_path, monkeypatch):
     monkeypatch.setenv("DEVICEKIT_SIMULATE", str(tmp_path / "nope.json"))
     with pytest.raises(SimulationFileError, match="cannot be read"):
+        gpus()
+
+
+def test_file_that_is_not_text(tmp_path, monkeypatch):
+    path = tmp_path / "gpus.json"
+    path.write_bytes(b"\xff\xfe{}")
+    monkeypatch.setenv("DEVICEKIT_SIMULATE", str(path))
+    with pytest.raises(SimulationFileError, match="not valid JSON"):
         gpus()

@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import math
 import uuid as uuid_module
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,11 @@ def load_simulation(path: str | Path) -> list[GPU]:
             f"simulation file {str(path)!r} cannot be read ({exc.strerror}); "
             "check DEVICEKIT_SIMULATE / --simulate"
         ) from None
+    except UnicodeDecodeError as exc:
+        raise SimulationFileError(
+            f"simulation file {str(path)!r} is not valid JSON (not UTF-8 text: {exc.reason} "
+            f"at byte {exc.start})"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -85,7 +91,15 @@ def load_simulation(path: str | Path) -> list[GPU]:
         raise SimulationFileError(
             f"simulation file {str(path)!r}: unknown key {sorted(extra_top)[0]!r} (only 'gpus')"
         )
-    return [_parse_gpu(path, i, entry) for i, entry in enumerate(data["gpus"])]
+    found = [_parse_gpu(path, i, entry) for i, entry in enumerate(data["gpus"])]
+    seen: dict[str, int] = {}
+    for gpu in found:  # leases and CUDA_VISIBLE_DEVICES name GPUs by UUID: they must differ
+        for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig_devices)):
+            if uuid.lower() in seen:
+                raise _fail(path, f"gpus[{gpu.index}].uuid",
+                            f"{uuid!r} repeats the UUID of gpus[{seen[uuid.lower()]}]")
+            seen[uuid.lower()] = gpu.index
+    return found
 
 
 def _fail(path: Path, where: str, message: str) -> SimulationFileError:
@@ -103,7 +117,7 @@ def _number(path: Path, where: str, value: Any, *, low: float | None = None,
             high: float | None = None) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _fail(path, where, f"{value!r} is not a number")
     if (low is not None and value < low) or (high is not None and value > high):
         raise _fail(path, where, f"{value!r} is outside {low}..{high}")
@@ -177,6 +191,9 @@ def _parse_process(path: Path, where: str, entry: Any) -> GPUProcess:
     pid = entry.get("pid")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise _fail(path, f"{where}.pid", f"{pid!r} is not a process id")
+    for key in ("user", "command"):
+        if entry.get(key) is not None and not isinstance(entry[key], str):
+            raise _fail(path, f"{where}.{key}", f"{entry[key]!r} is not a string")
     memory = entry.get("memory")
     return GPUProcess(
         pid=pid,
@@ -195,7 +212,7 @@ def _parse_cc(path: Path, where: str, value: Any) -> tuple[int, int] | None:
             return int(major), int(minor)
         if isinstance(value, (list, tuple)) and len(value) == 2:
             return int(value[0]), int(value[1])
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         pass
     raise _fail(path, where, f"{value!r} is not a compute capability like '9.0'")
 
@@ -226,11 +243,15 @@ def _parse_mig(path: Path, where: str, value: Any, parent_uuid: str
         if "memory_total" not in item:
             raise _fail(path, spot, "missing key 'memory_total'")
         mig_uuid = item.get("uuid") or f"MIG-{uuid_module.uuid5(_NAMESPACE, f'{parent_uuid}/{k}')}"
+        total = _size(path, f"{spot}.memory_total", item["memory_total"])
+        used = _size(path, f"{spot}.memory_used", item.get("memory_used", 0))
+        if used > total:
+            raise _fail(path, f"{spot}.memory_used", "is larger than memory_total")
         devices.append(MigDevice(
             index=k,
             uuid=str(mig_uuid),
             name=str(item.get("name", f"MIG {k}")),
-            memory_total=_size(path, f"{spot}.memory_total", item["memory_total"]),
-            memory_used=_size(path, f"{spot}.memory_used", item.get("memory_used", 0)),
+            memory_total=total,
+            memory_used=used,
         ))
     return True, tuple(devices)
