@@ -252,3 +252,26 @@ def _has_uid(uid: int) -> bool:
         return True
     except KeyError:
         return False
+
+
+def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
+    """The owner of a live lease can rename a FIFO over it between a reader's probe and its
+    read; opening that FIFO for reading would block select_gpus under the directory lock."""
+    import threading
+
+    from devicekit.hardware import leases as leases_module
+
+    path = lease_dir()
+    fifo = path / "GPU-x.1.abc.lease"
+    os.mkfifo(fifo)
+    info = os.stat(fifo)
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(
+        leases_module._read_record(fifo, info)), daemon=True)
+    reader.start()
+    reader.join(timeout=2)
+    if reader.is_alive():  # unblock the reader so the test process can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=2)
+        pytest.fail("reading a FIFO lease blocked")
+    assert result == [None]

@@ -70,6 +70,7 @@ __all__ = [
 _SUFFIX = ".lease"
 _TMP_PREFIX = ".tmp-"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_MAX_RECORD = 64 * 1024  # a real record is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -160,15 +161,19 @@ def _from_name(path: Path, info: os.stat_result) -> LeaseRecord | None:
 
 
 def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
+    # O_NONBLOCK + a fresh fstat: the file's owner may have renamed a FIFO (which would block an
+    # open for reading, with the directory lock held) or a huge file over it since the probe
     try:
-        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
     except PermissionError:  # live but unreadable: still counts, as an exclusive lease
         return _from_name(path, info)
     except OSError:
         return None
     try:
-        with os.fdopen(fd, "r", closefd=False) as stream:
-            data: Any = json.load(stream)
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or now.st_size > _MAX_RECORD:
+            return None
+        data: Any = json.loads(os.read(fd, _MAX_RECORD + 1))
     except (OSError, ValueError):
         return None
     finally:
