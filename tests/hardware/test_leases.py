@@ -275,3 +275,25 @@ def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
         reader.join(timeout=2)
         pytest.fail("reading a FIFO lease blocked")
     assert result == [None]
+
+
+def test_lease_file_is_private_until_locked(monkeypatch):
+    """Another user who opened a fresh lease file before its writer locked it could hold a
+    shared flock and block the writer's LOCK_EX forever, with the directory lock held."""
+    from devicekit.hardware import leases as leases_module
+
+    modes: list[int] = []
+    real_flock = leases_module.fcntl.flock
+
+    def spy(fd, op):
+        if op == leases_module.fcntl.LOCK_EX and stat.S_ISREG(os.fstat(fd).st_mode) \
+                and os.fstat(fd).st_size == 0 and os.path.basename(os.readlink(
+                    f"/proc/self/fd/{fd}")).startswith(".tmp-"):
+            modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(leases_module.fcntl, "flock", spy)
+    with Lease.acquire(["GPU-private"]) as lease:
+        assert modes and all(mode & 0o077 == 0 for mode in modes), [oct(m) for m in modes]
+        final = os.stat(lease._paths[0])
+        assert stat.S_IMODE(final.st_mode) == 0o644  # readable by all once locked

@@ -321,15 +321,16 @@ def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
     tmp = directory / f"{_TMP_PREFIX}{token}"
     final = directory / name
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644)
+        # private until locked: nobody else can open it and hold a lock that blocks ours
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
     except OSError as exc:
         raise LeaseError(
             f"cannot write a lease in {str(directory)!r} ({exc.strerror}); "
             f"set {LEASE_DIR_ENV} to a writable directory"
         ) from None
     try:
-        os.fchmod(fd, 0o644)  # readable by all users so they can see (and test) the lease
         fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has its final name: never seen stale
+        os.fchmod(fd, 0o644)  # readable by all users so they can see (and test) the lease
         os.write(fd, record.to_json().encode())
         # no fsync: a lease only matters while its holder runs, and a crash of the machine ends
         # every holder; rename alone makes the complete file appear at once to other processes
