@@ -163,3 +163,13 @@ def test_show_utilization_defaults_to_stdout(simulate, capsys):
     assert dk.show_utilization() is None
     out = capsys.readouterr().out
     assert "40.0/80 GiB" in out and "50%" in out
+
+
+def test_show_utilization_into_a_log_is_not_cut_to_80_columns(simulate, capsys, monkeypatch):
+    """stdout redirected to a file (a batch job's log) gets the same roomy width as file=."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    procs = [{"pid": 10, "user": "alice", "memory": "1GiB"}, {"pid": 11, "user": "bob"}]
+    simulate([h100(used="1GiB", processes=procs)])
+    dk.show_utilization()
+    out = capsys.readouterr().out
+    assert "2: alice,bob" in out, out

@@ -45,9 +45,12 @@ def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True)
 
 
 def _width(file: IO[str] | None) -> int | None:
-    """Full terminal width on a terminal; a fixed, wide-enough width when writing to a file."""
-    isatty = getattr(file, "isatty", None)
-    if file is not None and not (callable(isatty) and isatty()):
+    """Full terminal width on a terminal; a fixed, wide-enough width when writing to a file
+    (``file=None`` is stdout, which a batch job redirects to its log)."""
+    import sys
+
+    isatty = getattr(file if file is not None else sys.stdout, "isatty", None)
+    if not (callable(isatty) and isatty()):
         return 120
     return None
 
