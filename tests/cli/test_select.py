@@ -159,3 +159,12 @@ def test_ordering_warning_is_one_devicekit_line(simulate, tmp_path):
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("devicekit: warning: CUDA_VISIBLE_DEVICES='1' uses indices")
+
+
+def test_no_command_prints_the_help_not_an_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1 and out == ""
+    assert err.startswith("Usage: devicekit [OPTIONS] COMMAND") and "select" in err
+    assert "devicekit: Usage" not in err and "(see 'devicekit --help')" not in err

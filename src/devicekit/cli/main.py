@@ -71,6 +71,11 @@ def cli(simulate: str | None) -> None:
         os.environ["DEVICEKIT_SIMULATE"] = os.path.abspath(simulate)
 
 
+# click >= 8.2 raises this for a bare 'devicekit'; its message is the whole help text
+_NO_ARGS: tuple[type[Exception], ...] = tuple(
+    c for c in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if c is not None)
+
+
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: TextIO | None = None, line: str | None = None,
                   *, _default: Any = warnings.showwarning) -> None:
@@ -97,6 +102,9 @@ def _main(argv: list[str] | None) -> None:
     except click.exceptions.Abort:
         click.echo("devicekit: aborted", err=True)
         sys.exit(130)
+    except _NO_ARGS as exc:  # bare 'devicekit': the help, as is
+        exc.show()
+        sys.exit(1)
     except click.ClickException as exc:  # bad flags or arguments: exit 1, one line + hint
         message = exc.format_message()
         ctx = getattr(exc, "ctx", None)
