@@ -48,6 +48,14 @@ def test_indices_reorder(three):
     assert ordinals({"CUDA_VISIBLE_DEVICES": " 1 , 0 "}) == [(0, 1), (1, 0)]
 
 
+def test_trailing_comma_hides_nothing(three):
+    """CUDA stops at the empty last entry, after every GPU listed: nothing is lost, no error."""
+    assert ordinals({"CUDA_VISIBLE_DEVICES": "2,0,"}) == [(0, 2), (1, 0)]
+    assert ordinals({"CUDA_VISIBLE_DEVICES": f"{U[1]}, "}) == [(0, 1)]
+    with pytest.raises(VisibleDevicesError, match="entry ''"):  # in the middle it hides GPU 1
+        visible_devices(env={"CUDA_VISIBLE_DEVICES": "0,,1"})
+
+
 def test_negative_entry_ends_the_list(three):
     assert ordinals({"CUDA_VISIBLE_DEVICES": "1,-1,0"}) == [(0, 1)]
 

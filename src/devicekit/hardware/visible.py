@@ -139,7 +139,10 @@ def visible_devices(gpus: Sequence[GPU] | None = None,
         return []
     result: list[VisibleDevice] = []
     seen: set[str] = set()
-    for position, entry in enumerate(e.strip() for e in raw.split(",")):
+    entries = [e.strip() for e in raw.split(",")]
+    while len(entries) > 1 and entries[-1] == "":  # "0,1,": CUDA stops after every GPU listed
+        entries.pop()
+    for position, entry in enumerate(entries):
         if entry.startswith("-") and entry[1:].isdigit():
             break  # a negative index ends the list: the documented way to hide the rest
         device = _resolve_entry(entry, raw, position, enumerated, result)
