@@ -56,8 +56,9 @@ def test_leased_gpus_skipped_and_select_holds_none(three, capsys):
 
 
 @pytest.mark.parametrize("args,code,needle", [
-    (["-n", "0"], 1, "count 0"),
-    (["-n", "-3"], 1, "count -3"),
+    (["-n", "0"], 1, "Invalid value for '-n': '0' must be"),
+    (["-n", "-3"], 1, "Invalid value for '-n': '-3' must be"),
+    (["--account-as-free", ""], 1, "Invalid value for '--account-as-free': '' is not"),
     (["-n", "two"], 1, "'two' is not a whole number"),
     (["--min-free", "10XB"], 1, "--min-free '10XB'"),
     (["--max-util", "150"], 1, "--max-util '150'"),

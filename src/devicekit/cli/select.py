@@ -74,6 +74,13 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
         except ValueError:
             raise click.BadParameter(f"{count!r} is not a whole number or 'all'",
                                      param_hint="'-n'") from None
+        if n < 1:  # named as typed, like every other option's error
+            raise click.BadParameter(f"{count!r} must be a whole number of GPUs >= 1 or 'all'",
+                                     param_hint="'-n'")
+    for user in users:
+        if not user.strip():
+            raise click.BadParameter(f"{user!r} is not a user name",
+                                     param_hint="'--account-as-free'")
     if share and min_free is None:
         raise click.UsageError("--share needs --min-free SIZE: the memory budget this job claims")
     # parsed here so that an error names the option the user typed
