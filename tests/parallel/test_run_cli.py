@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -92,6 +93,28 @@ def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> N
             proc.wait()
     assert code == 128 + signal.SIGINT
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
+    """torchrun exits 1 after a SIGTERM (SignalException); devicekit run reports 128 + 15."""
+    import threading
+
+    from devicekit.parallel.allocation import Allocation
+    from devicekit.parallel.run import RunPlan, execute
+
+    # stands in for torchrun: exits 1 on SIGTERM ("torch.distributed.run" marks the plan distributed)
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(1));"
+              " print('up', flush=True); time.sleep(30)")
+    argv = [sys.executable, "-c", script, "torch.distributed.run"]
+    plan = RunPlan(argv, child_env(), Allocation(nprocs=2, gpus_per_proc=1), [])
+    assert plan.distributed
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code = execute(plan)
+    finally:
+        timer.cancel()
+    assert code == 128 + signal.SIGTERM
 
 
 def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:

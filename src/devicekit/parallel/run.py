@@ -7,7 +7,8 @@ CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file des
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
 the child also gets SIGTERM when ``devicekit run`` dies (no orphans). SIGINT, SIGTERM and SIGHUP
 sent to ``devicekit run`` are forwarded to the child's process group; the exit code comes back
-(128 + N for a child killed by signal N).
+(128 + N for a child killed by signal N, and for a torchrun job that failed after signal N was
+forwarded: torchrun itself would say 1).
 
 Usage::
 
@@ -157,9 +158,11 @@ def execute(plan: RunPlan) -> int:
     with contextlib.suppress(OSError):
         os.setpgid(child.pid, child.pid)  # also from here, so it holds before we signal
     forwarded: list[float] = []
+    signals: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         forwarded.append(time.monotonic())
+        signals.append(signum)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signum)
 
@@ -173,7 +176,13 @@ def execute(plan: RunPlan) -> int:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
     _reap_group(child.pid)
-    return 128 - code if code < 0 else code
+    if code < 0:
+        return 128 - code
+    if signals and code != 0 and plan.distributed:
+        # torchrun turns a signal into its own exit code 1 (SignalException): give back the
+        # shell's 128 + N for the signal that stopped the job, as for a single process
+        return 128 + signals[0]
+    return code
 
 
 def single_process_variables(port: int) -> dict[str, str]:
