@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -115,6 +116,28 @@ def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
     finally:
         timer.cancel()
     assert code == 128 + signal.SIGTERM
+
+
+def test_ranks_orphaned_by_their_launcher_are_stopped(tmp_path: Path) -> None:
+    """torchrun starts every rank in a session of its own; if torchrun dies (killed after the
+    grace period, OOM killer) its ranks must not outlive devicekit run."""
+    from devicekit.parallel.allocation import Allocation
+    from devicekit.parallel.run import RunPlan, execute
+
+    pid_file = tmp_path / "rank.pid"
+    rank = "import time; time.sleep(60)"
+    launcher = ("import os, subprocess, sys, time;"
+                f" p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True);"
+                f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(1.5); os._exit(3)")
+    plan = RunPlan([sys.executable, "-c", launcher], child_env(), Allocation(nprocs=1, gpus_per_proc=1), [])
+    try:
+        assert execute(plan) == 3
+        orphan = int(pid_file.read_text())
+        assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(int(pid_file.read_text())).kill()
 
 
 def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:
