@@ -35,7 +35,7 @@ from devicekit.errors import CommandNotFoundError, InvalidValueError
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
-from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
+from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
 
@@ -92,7 +92,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
-        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV):
+        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER):
             env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
         env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
         if allocation.on_gpu:
