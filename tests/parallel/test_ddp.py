@@ -129,18 +129,30 @@ def test_check_equivalence_inside_a_running_job_uses_its_ranks(
         assert diagnosis.startswith("sum vs mean reduction")
 
 
-@pytest.mark.parametrize(("backend", "local_rank", "count", "current", "want"), [
-    ("nccl", "2", 4, 0, "cuda:2"),      # torchrun, every GPU visible, set_device forgotten
-    ("nccl", "2", 4, 3, "cuda:3"),      # set_device(3) was called: respected
-    ("nccl", "1", 1, 0, "cuda:0"),      # dk.launch / Slurm binding: the rank sees only its GPU
-    ("gloo", "1", 4, 0, "cpu"),         # devicekit uses gloo only for CPU ranks
+@pytest.mark.parametrize(("backend", "local_rank", "count", "current", "want", "own", "per_proc"), [
+    ("nccl", "2", 4, 0, "cuda:2", None, None),  # torchrun, every GPU visible, set_device forgotten
+    ("nccl", "2", 4, 3, "cuda:3", None, None),  # set_device(3) was called: respected
+    ("nccl", "1", 1, 0, "cuda:0", None, None),  # dk.launch / Slurm binding: the rank sees only its GPU
+    ("gloo", "1", 4, 0, "cpu", None, None),     # devicekit uses gloo only for CPU ranks
+    # dk.launch(gpus_per_proc=2): rank 1 sees its own two GPUs, init bound cuda:0 (not cuda:1)
+    ("nccl", "1", 2, 0, "cuda:0", "1", "2"),
+    # torchrun with DEVICEKIT_GPUS_PER_PROC=2, every GPU visible: rank 1's first GPU is cuda:2
+    ("nccl", "1", 4, 0, "cuda:2", None, "2"),
 ])
 def test_rank_device_follows_the_process_group(monkeypatch: pytest.MonkeyPatch, backend: str,
                                                local_rank: str, count: int, current: int,
-                                               want: str) -> None:
+                                               want: str, own: str | None,
+                                               per_proc: str | None) -> None:
     import torch.distributed as dist
 
     from devicekit.parallel.ddp import rank_device
+    from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
+
+    for name, value in ((OWN_DEVICES_ENV, own), (GPUS_PER_PROC_ENV, per_proc)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda *a: backend)

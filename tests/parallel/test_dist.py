@@ -166,6 +166,33 @@ def test_slurm_gpus_per_task_binding(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dist.device() == torch.device("cuda", 0)
 
 
+def test_slurm_rank_stays_slurm_after_init_publishes_torchrun_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """init() sets RANK, LOCAL_RANK, ... for a Slurm task; env() must still read Slurm (source,
+    node, and the --gpus-per-task binding: read as torchrun, 4 tasks on 1 GPU was an error)."""
+    from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
+
+    fake_gpus(monkeypatch, 1)
+    set_env(monkeypatch, {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+                          "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
+                          "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42",
+                          "SLURM_JOB_NAME": "job"})
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", PUBLISHED_MARKER):
+        monkeypatch.setenv(name, "-")  # recorded, so what the test publishes is undone after it
+        monkeypatch.delenv(name)
+    before = dist.env()
+    dist._publish_torchrun_variables(before)
+    import os
+
+    assert (os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"]) == ("1", "1")
+    assert dist.env() == before and before.source == "slurm"
+    assert dist.device() == torch.device("cuda", 0)
+    # a launcher started later inside the job sets its own RANK: that one is torchrun's again
+    monkeypatch.setenv("RANK", "0")
+    assert dist.env().source == "torchrun"
+
+
 def test_cpu_tensor_in_an_nccl_collective(monkeypatch: pytest.MonkeyPatch, group: None) -> None:
     dist.init()  # a real (one-rank gloo) group; then pretend it is a 2-rank nccl one
     monkeypatch.setattr(tdist, "get_backend", lambda *a, **k: "nccl")

@@ -32,7 +32,13 @@ def train_tiny(steps: int) -> dict[str, object]:
         loss.backward()
         optimizer.step()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    # the environment the interpreter started with (before spawn re-imported __main__, which may
+    # touch CUDA at module level): the rank's variables must already be there
+    startup = dict(item.split("=", 1) for item in
+                   Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+                   if "=" in item) if Path("/proc/self/environ").exists() else None
     return {"rank": facts.rank, "source": facts.source, "world": facts.world_size,
+            "startup": startup,
             "params": params.tolist(), "loss": float(dk.dist.all_reduce_mean(loss.detach())),
             "gathered": dk.dist.gather_object(facts.rank * 10)}
 
@@ -44,6 +50,11 @@ def test_two_ranks_train_and_agree() -> None:
     assert results[0]["params"] == results[1]["params"]
     assert results[0]["loss"] == results[1]["loss"]
     assert results[0]["gathered"] == results[1]["gathered"] == [0, 10]
+    for rank, result in enumerate(results):
+        startup = result["startup"]
+        if startup is not None:  # Linux: CUDA_VISIBLE_DEVICES & co. are set at exec, not later
+            assert (startup.get("RANK"), startup.get("WORLD_SIZE")) == (str(rank), "2")
+            assert startup.get("CUDA_VISIBLE_DEVICES") == ""
 
 
 def fail_on_rank_one(pid_dir: str) -> None:

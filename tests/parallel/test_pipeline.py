@@ -93,6 +93,41 @@ def test_checkpointing_recomputes_on_backward() -> None:
         assert len(calls) == 4  # no checkpointing without grad
 
 
+class RecordingDropout(nn.Dropout):
+    """Dropout that records every mask it draws (first run and recomputation alike)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.5)
+        self.masks: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        mask = (torch.rand_like(x) > self.p).to(x.dtype)
+        self.masks.append(mask)
+        return x * mask / (1 - self.p)
+
+
+def test_checkpointed_dropout_replays_the_forward_masks() -> None:
+    """Recomputation must draw the masks the forward drew; stage threads sharing the CPU
+    generator used to interleave their draws, so backward replayed other masks."""
+    torch.manual_seed(0)
+    drops = [RecordingDropout(), RecordingDropout()]
+    model = nn.Sequential(nn.Linear(64, 64), drops[0], nn.Linear(64, 64), drops[1], nn.Linear(64, 1))
+    with dk.Pipeline(model, ["cpu", "cpu"], chunks=8, balance=[2, 3], checkpoint="always") as pipe:
+        for _ in range(4):
+            for drop in drops:
+                drop.masks.clear()
+            pipe(torch.randn(64, 64)).sum().backward()
+            for drop in drops:
+                first, again = drop.masks[:8], drop.masks[8:]
+                assert len(again) == 8
+                assert all(any(torch.equal(m, f) for f in first) for m in again)
+        pipe.eval()
+        pipe(torch.randn(64, 64))  # no dropout in eval: the stage threads run again
+        assert pipe._workers is not None and len(pipe._workers.threads) == 2
+
+
 def test_stages_run_in_their_own_threads_and_errors_come_back() -> None:
     seen: dict[int, str] = {}
 

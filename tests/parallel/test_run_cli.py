@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -92,6 +94,50 @@ def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> N
             proc.wait()
     assert code == 128 + signal.SIGINT
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
+    """torchrun exits 1 after a SIGTERM (SignalException); devicekit run reports 128 + 15."""
+    import threading
+
+    from devicekit.parallel.allocation import Allocation
+    from devicekit.parallel.run import RunPlan, execute
+
+    # stands in for torchrun: exits 1 on SIGTERM ("torch.distributed.run" marks the plan distributed)
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(1));"
+              " print('up', flush=True); time.sleep(30)")
+    argv = [sys.executable, "-c", script, "torch.distributed.run"]
+    plan = RunPlan(argv, child_env(), Allocation(nprocs=2, gpus_per_proc=1), [])
+    assert plan.distributed
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code = execute(plan)
+    finally:
+        timer.cancel()
+    assert code == 128 + signal.SIGTERM
+
+
+def test_ranks_orphaned_by_their_launcher_are_stopped(tmp_path: Path) -> None:
+    """torchrun starts every rank in a session of its own; if torchrun dies (killed after the
+    grace period, OOM killer) its ranks must not outlive devicekit run."""
+    from devicekit.parallel.allocation import Allocation
+    from devicekit.parallel.run import RunPlan, execute
+
+    pid_file = tmp_path / "rank.pid"
+    rank = "import time; time.sleep(60)"
+    launcher = ("import os, subprocess, sys, time;"
+                f" p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True);"
+                f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(1.5); os._exit(3)")
+    plan = RunPlan([sys.executable, "-c", launcher], child_env(), Allocation(nprocs=1, gpus_per_proc=1), [])
+    try:
+        assert execute(plan) == 3
+        orphan = int(pid_file.read_text())
+        assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(int(pid_file.read_text())).kill()
 
 
 def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:

@@ -42,6 +42,12 @@ def test_allocation_splits_gpus_per_process(four_gpus: Path) -> None:
         plan.release()
 
 
+def test_allocation_all_with_procs_is_refused_not_ignored(four_gpus: Path) -> None:
+    with pytest.raises(dk.InvalidValueError, match="--procs 2"):
+        allocate("all", 2)
+    assert read_leases() == []
+
+
 def test_allocation_all_rounds_to_whole_processes(four_gpus: Path) -> None:
     plan = allocate("all", gpus_per_proc=2, min_free_memory="10GiB")
     try:

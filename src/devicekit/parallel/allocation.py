@@ -131,6 +131,11 @@ def allocate(
                           f"no GPU on this machine, running on the CPU ({what}); why: {why}")
 
     if gpus == "all":
+        if procs is not None:
+            raise InvalidValueError(
+                f"--gpus all starts one process per --gpus-per-proc GPUs itself; --procs {procs}"
+                " would be ignored: drop it, or give --gpus N"
+            )
         count = None
     elif gpus is not None:
         if gpus % gpus_per_proc:

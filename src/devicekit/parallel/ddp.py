@@ -64,20 +64,29 @@ def rank_device() -> torch.device:
 
     With an NCCL process group (``dk.dist.init`` / ``dk.launch`` on GPUs): the current CUDA
     device, which ``init`` set from the rank's leased GPU; if it was never set (still
-    ``cuda:0``) while torchrun's ``LOCAL_RANK`` names another visible GPU, that GPU. With a
+    ``cuda:0``) while torchrun's ``LOCAL_RANK`` (times ``DEVICEKIT_GPUS_PER_PROC``) names
+    another visible GPU, that GPU; a ``dk.launch`` rank, which sees only its own GPU(s), stays
+    on ``cuda:0``. With a
     gloo-only group: the CPU
     (devicekit uses gloo only where there is no GPU; pass ``device=`` to ``ddp`` to override).
     Without a process group: the current CUDA device, else MPS, else the CPU.
     """
     if dist.is_available() and dist.is_initialized():
         if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+            from devicekit.parallel.dist import OWN_DEVICES_ENV, _gpus_per_proc
+
             current = torch.cuda.current_device()
             local_rank = os.environ.get("LOCAL_RANK", "")
-            if (current == 0 and local_rank.isdigit()
-                    and 0 < int(local_rank) < torch.cuda.device_count()):
+            # dk.launch / devicekit run with one process: the rank sees only its own GPU(s),
+            # the first of which is cuda:0 even when it has several (gpus_per_proc)
+            own = os.environ.get(OWN_DEVICES_ENV) == "1"
+            if current == 0 and not own and local_rank.isdigit():
                 # torchrun with every GPU visible and no torch.cuda.set_device(local_rank) yet:
-                # staying on cuda:0 would put every rank on the same GPU
-                return torch.device("cuda", int(local_rank))
+                # staying on cuda:0 would put every rank on the same GPU; with
+                # DEVICEKIT_GPUS_PER_PROC=G the rank's first GPU is local_rank * G
+                first = int(local_rank) * _gpus_per_proc()
+                if 0 < first < torch.cuda.device_count():
+                    return torch.device("cuda", first)
             return torch.device("cuda", current)
         return torch.device("cpu")
     if torch.cuda.is_available():

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from devicekit.errors import DistributedError
 from devicekit.parallel.environments import DistEnv, detect_environment
 from devicekit.parallel.environments.base import is_loopback
+from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
 
 if TYPE_CHECKING:
     import torch
@@ -135,11 +136,7 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
     if name == "nccl":
         # without it a timed-out nccl collective blocks forever instead of raising
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    # Slurm / MPI ranks: publish torchrun's variables too, for code that reads LOCAL_RANK & co.
-    for key, value in (("RANK", facts.rank), ("LOCAL_RANK", facts.local_rank),
-                       ("WORLD_SIZE", facts.world_size), ("LOCAL_WORLD_SIZE", facts.local_world_size),
-                       ("MASTER_ADDR", facts.master_addr), ("MASTER_PORT", facts.master_port)):
-        os.environ.setdefault(key, str(value))
+    _publish_torchrun_variables(facts)
     kwargs: dict[str, Any] = {"backend": name, "rank": facts.rank, "world_size": facts.world_size}
     if span is not None:
         kwargs["timeout"] = span
@@ -158,6 +155,21 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
             f" {facts.describe()}: {first}"
         ) from exc
     return dev
+
+
+def _publish_torchrun_variables(facts: DistEnv) -> None:
+    """Slurm / MPI ranks: set torchrun's variables too, for code that reads LOCAL_RANK & co.,
+    marked so that ``env()`` still reads Slurm / MPI (its source, its device binding)."""
+    if facts.source not in ("slurm", "mpi"):
+        return
+    for key, value in (("RANK", facts.rank), ("LOCAL_RANK", facts.local_rank),
+                       ("WORLD_SIZE", facts.world_size), ("LOCAL_WORLD_SIZE", facts.local_world_size),
+                       ("GROUP_RANK", facts.node_rank), ("GROUP_WORLD_SIZE", facts.nnodes),
+                       ("MASTER_ADDR", facts.master_addr), ("MASTER_PORT", facts.master_port)):
+        os.environ.setdefault(key, str(value))
+    if (os.environ["RANK"], os.environ["WORLD_SIZE"]) == (str(facts.rank), str(facts.world_size)):
+        os.environ[PUBLISHED_MARKER] = (
+            f"{facts.source}:{os.environ['RANK']}:{os.environ['WORLD_SIZE']}:{os.environ['MASTER_PORT']}")
 
 
 def destroy() -> None:

@@ -28,6 +28,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -38,7 +39,7 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
 from typing import Any
 
@@ -174,14 +175,20 @@ class _Job:
         try:
             for rank in range(self.world):
                 reader, writer = ctx.Pipe(duplex=False)
+                variables = self.variables(rank, port)
                 proc = ctx.Process(
                     target=rank_main,
-                    args=(self.payload, self.variables(rank, port), writer, self.stack_path(rank),
+                    args=(self.payload, variables, writer, self.stack_path(rank),
                           os.getpid(), self.backend),
                     name=f"devicekit-rank{rank}",
                     daemon=False,
                 )
-                proc.start()
+                # the spawned interpreter inherits os.environ at exec: set the rank's variables
+                # there, not only in rank_main, which runs after spawn has re-imported the
+                # caller's __main__ (a module-level torch.cuda.is_available() there would fix
+                # CUDA's view of the GPUs before CUDA_VISIBLE_DEVICES names the rank's own)
+                with _environment(variables):
+                    proc.start()
                 writer.close()
                 self.procs.append(proc)
                 self.conns[reader] = rank
@@ -360,6 +367,21 @@ class _Job:
                 proc.kill()
                 proc.join(STOP_GRACE_SECONDS)
         psutil.wait_procs(survivors, timeout=STOP_GRACE_SECONDS)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` updated with ``variables`` inside the block, restored after it."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _in_collective(text: str) -> bool:

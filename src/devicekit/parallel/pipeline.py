@@ -57,6 +57,23 @@ from devicekit.parallel.worker import StageWorkers
 __all__ = ["Pipeline", "PipelineRun"]
 
 
+def _draws_random_numbers(module: nn.Module) -> bool:
+    """Layers that draw from the RNG in training: dropout (every kind), RReLU, attention dropout."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if isinstance(module, _DropoutNd):
+        return module.p > 0
+    if isinstance(module, nn.MultiheadAttention):
+        return module.dropout > 0
+    return isinstance(module, nn.RReLU)
+
+
+def _shares_a_generator(devices: Sequence[torch.device]) -> bool:
+    """True when two stages draw from one generator: two CPU stages, or two on one GPU."""
+    keys = [d.type if d.type == "cpu" else str(d) for d in devices]
+    return len(set(keys)) < len(keys)
+
+
 @dataclass(frozen=True)
 class PipelineRun:
     """Timing of the last forward: wall time and per-stage busy time."""
@@ -117,6 +134,9 @@ class Pipeline(nn.Module):
         # the parts' DeferredBatchNorm layers, found once rather than by walking the model every call
         self._deferred = [m for part in parts for m in part.modules() if isinstance(m, DeferredBatchNorm)]
         self._workers: StageWorkers | None = None  # stage threads, started by the first pipelined call
+        # layers that draw random numbers (dropout & co.), found once: see _random_draws_race
+        self._random = [m for part in parts for m in part.modules() if _draws_random_numbers(m)]
+        self._shared_generator = _shares_a_generator(plan.devices)
 
     @property
     def parts(self) -> list[nn.Sequential]:
@@ -142,13 +162,24 @@ class Pipeline(nn.Module):
             outputs.append(x)
         return outputs, busy
 
+    def _random_draws_race(self, stop: int) -> bool:
+        """True when stage threads would corrupt checkpointing's replay of random draws.
+
+        A checkpointed micro-batch saves the RNG state and replays it on backward, so dropout
+        draws the same mask twice; but stages sharing a generator (CPU stages, or two stages
+        on one GPU) draw from it concurrently, so the forward's mask is not the one the saved
+        state replays and the gradients belong to another mask. Such calls run in this thread.
+        """
+        return (stop > 0 and self._shared_generator
+                and any(m.training for m in self._random))
+
     def forward(self, x: Any) -> Any:
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
         stop = checkpoint_stop(self.checkpoint, m) if torch.is_grad_enabled() else 0
         start = time.perf_counter()
         try:
-            if m == 1 or n == 1:
+            if m == 1 or n == 1 or self._random_draws_race(stop):
                 outputs, busy = self._inline(batches, stop)
             else:
                 if self._workers is None:

@@ -5,9 +5,11 @@ one, so a script written for torchrun runs unchanged); several processes or node
 ``python -m torch.distributed.run`` (torchrun), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
-the child also gets SIGTERM when ``devicekit run`` dies (no orphans). SIGINT, SIGTERM and SIGHUP
+the child also gets SIGTERM when ``devicekit run`` dies (no orphans), and descendants it
+leaves behind (torchrun starts each rank in its own session) are stopped when it exits. SIGINT, SIGTERM and SIGHUP
 sent to ``devicekit run`` are forwarded to the child's process group; the exit code comes back
-(128 + N for a child killed by signal N).
+(128 + N for a child killed by signal N, and for a torchrun job that failed after signal N was
+forwarded: torchrun itself would say 1).
 
 Usage::
 
@@ -33,7 +35,7 @@ from devicekit.errors import CommandNotFoundError, InvalidValueError
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
-from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
+from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
 
@@ -90,7 +92,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
-        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV):
+        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER):
             env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
         env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
         if allocation.on_gpu:
@@ -157,23 +159,40 @@ def execute(plan: RunPlan) -> int:
     with contextlib.suppress(OSError):
         os.setpgid(child.pid, child.pid)  # also from here, so it holds before we signal
     forwarded: list[float] = []
+    signals: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         forwarded.append(time.monotonic())
+        signals.append(signum)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signum)
 
+    # torchrun starts each rank in a session of its own: the ranks are not in the child's
+    # process group, so remember the child's descendants to stop any it leaves behind
+    family = _Descendants(child.pid)
+    ticks = 0
     with _terminal_given_to(child.pid), _handlers(forward):
         while True:
             try:
                 code = child.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
+                ticks += 1
+                if ticks % 5 == 1:
+                    family.update()
                 if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
+                    family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
     _reap_group(child.pid)
-    return 128 - code if code < 0 else code
+    family.stop_survivors()
+    if code < 0:
+        return 128 - code
+    if signals and code != 0 and plan.distributed:
+        # torchrun turns a signal into its own exit code 1 (SignalException): give back the
+        # shell's 128 + N for the signal that stopped the job, as for a single process
+        return 128 + signals[0]
+    return code
 
 
 def single_process_variables(port: int) -> dict[str, str]:
@@ -260,6 +279,41 @@ def _terminal_given_to(pgid: int) -> Iterator[None]:
                     os.tcsetpgrp(fd, os.getpgrp())
             finally:
                 signal.signal(signal.SIGTTOU, old)
+
+
+class _Descendants:
+    """The child's descendants seen so far, to stop those that outlive it (orphaned ranks)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, object] = {}
+
+    def update(self) -> None:
+        import psutil
+
+        try:
+            for proc in psutil.Process(self.pid).children(recursive=True):
+                self.seen.setdefault(proc.pid, proc)
+        except psutil.Error:
+            pass
+
+    def stop_survivors(self) -> None:
+        """SIGTERM every remembered descendant still running, SIGKILL it after a grace period."""
+        import psutil
+
+        alive = []
+        for proc in self.seen.values():
+            try:  # is_running() also checks the start time: a reused pid is not ours
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # type: ignore[attr-defined]
+                    proc.terminate()  # type: ignore[attr-defined]
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        _, left = psutil.wait_procs(alive, timeout=3.0)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(left, timeout=1.0)
 
 
 def _reap_group(pgid: int) -> None:

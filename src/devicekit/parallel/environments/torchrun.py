@@ -23,10 +23,21 @@ from devicekit.parallel.environments.base import (
     integer_variable,
 )
 
-__all__ = ["TorchrunEnvironment", "DevicekitEnvironment", "LAUNCH_MARKER"]
+__all__ = ["TorchrunEnvironment", "DevicekitEnvironment", "LAUNCH_MARKER", "PUBLISHED_MARKER",
+           "published_by_devicekit"]
 
 #: set by ``dk.launch`` in every rank it starts
 LAUNCH_MARKER = "DEVICEKIT_LAUNCH"
+#: set by ``dk.dist.init`` when it publishes torchrun's variables for a Slurm / MPI rank:
+#: "<source>:<RANK>:<WORLD_SIZE>:<MASTER_PORT>", so those variables are not taken for torchrun's
+PUBLISHED_MARKER = "DEVICEKIT_PUBLISHED_FROM"
+
+
+def published_by_devicekit(environ: Mapping[str, str]) -> bool:
+    """True when RANK & co. are the ones ``dk.dist.init`` published (not a launcher's)."""
+    marker = environ.get(PUBLISHED_MARKER, "")
+    own = ":".join(environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    return bool(marker) and marker.split(":", 1)[-1] == own
 
 
 class TorchrunEnvironment(Environment):
@@ -36,7 +47,8 @@ class TorchrunEnvironment(Environment):
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
-        return "RANK" in environ and "WORLD_SIZE" in environ
+        return ("RANK" in environ and "WORLD_SIZE" in environ
+                and not published_by_devicekit(environ))
 
     def read(self) -> DistEnv:
         e = self.environ
