@@ -40,6 +40,13 @@ def test_plan_for_cpu_processes_under_torchrun() -> None:
     assert (single.env["RANK"], single.env["WORLD_SIZE"], single.env["LOCAL_RANK"]) == ("0", "1", "0")
 
 
+def test_failed_rank_exit_code_passes_through_torchrun() -> None:
+    done = run_cli("--procs", "2", "--", "sh", "-c", 'exit $((5 + RANK))', timeout=90)
+    assert done.returncode in (5, 6), done.stderr  # the rank that failed first; torchrun says 1
+    assert "Traceback" not in done.stderr
+    assert f"exited with code {done.returncode} first; exiting {done.returncode}" in done.stderr
+
+
 def test_exit_code_passes_through_and_cpu_is_announced() -> None:
     done = run_cli("--", sys.executable, "-c", "import sys; print('child ran'); sys.exit(3)")
     assert done.returncode == 3
@@ -101,12 +108,12 @@ def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
     import threading
 
     from devicekit.parallel.allocation import Allocation
-    from devicekit.parallel.run import RunPlan, execute
+    from devicekit.parallel.run import TORCHRUN_ENTRY, RunPlan, execute
 
-    # stands in for torchrun: exits 1 on SIGTERM ("torch.distributed.run" marks the plan distributed)
+    # stands in for torchrun: exits 1 on SIGTERM (TORCHRUN_ENTRY marks the plan distributed)
     script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(1));"
               " print('up', flush=True); time.sleep(30)")
-    argv = [sys.executable, "-c", script, "torch.distributed.run"]
+    argv = [sys.executable, "-c", script, TORCHRUN_ENTRY]
     plan = RunPlan(argv, child_env(), Allocation(nprocs=2, gpus_per_proc=1), [])
     assert plan.distributed
     timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))

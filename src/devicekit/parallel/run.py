@@ -2,7 +2,8 @@
 
 One process on one node runs the command directly (with torchrun's variables for a world of
 one, so a script written for torchrun runs unchanged); several processes or nodes run it under
-``python -m torch.distributed.run`` (torchrun), which does the rendezvous. The child gets
+torchrun (``python -m devicekit.parallel.torchrun_entry``: torchrun's own parser and agent, but
+exiting with the failed rank's code instead of 1), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
 the child also gets SIGTERM when ``devicekit run`` dies (no orphans), and descendants it
@@ -62,6 +63,10 @@ class RunRequest:
     master_port: int | None = None
 
 
+#: the module ``devicekit run`` starts for several processes or nodes (torchrun underneath)
+TORCHRUN_ENTRY = "devicekit.parallel.torchrun_entry"
+
+
 @dataclass
 class RunPlan:
     """What will be started: ``argv`` with ``env``, on ``allocation``; ``notes`` say why."""
@@ -73,7 +78,7 @@ class RunPlan:
 
     @property
     def distributed(self) -> bool:
-        return "torch.distributed.run" in self.argv
+        return TORCHRUN_ENTRY in self.argv
 
 
 def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
@@ -112,7 +117,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
                 " host (a rehearsal); use the master's host name for real machines"
             )
         argv = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", TORCHRUN_ENTRY,  # torchrun, with the ranks' exit codes kept
             "--nnodes", str(request.nnodes),
             "--node-rank", str(request.node_rank or 0),
             "--nproc-per-node", str(allocation.nprocs),
