@@ -13,7 +13,7 @@ Each rank runs two checks and writes what it found to ``<out>/rank<r>.json``:
 from __future__ import annotations
 
 import json
-import os
+import time
 import traceback
 from pathlib import Path
 
@@ -101,12 +101,28 @@ def refusal_reaches_every_rank(rank: int, world: int) -> dict:
     return {"raised": None}
 
 
-def run(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _store(rank: int, world: int, out: str) -> dist.TCPStore:
+    """Rank 0 binds a free port itself and publishes it (no window for another process to take it)."""
+    port_file = Path(out, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        tmp.replace(port_file)
+        return store
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 published no store port within 60 s")
+        time.sleep(0.05)
+    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), world, is_master=False)
+
+
+def run(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     result: dict = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", store=_store(rank, world, out), rank=rank, world_size=world)
         result["ddp_of_split"] = ddp_of_split(rank, world)
         result["pipeline_stage"] = pipeline_stage(rank, world)
         result["refusal"] = refusal_reaches_every_rank(rank, world)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -18,16 +17,10 @@ WORLD = 2
 TIMEOUT_S = 90
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("modelpar-gloo")
-    context = mp.start_processes(modelpar_jobs.run, args=(WORLD, _free_port(), str(out)),
+    context = mp.start_processes(modelpar_jobs.run, args=(WORLD, str(out)),
                                  nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
