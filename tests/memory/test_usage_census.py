@@ -147,3 +147,20 @@ def test_timeline_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch: pyt
     tl.step()
     with pytest.raises(dk.MissingDependencyError, match="pip install 'devicekit\\[plot\\]'"):
         tl.plot(tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("already_recording", [False, True])
+def test_timeline_leaves_a_users_allocator_history_on(monkeypatch: pytest.MonkeyPatch,
+                                                      already_recording: bool) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: already_recording, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append(enabled))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": [], "device_traces": []})
+    with dk.MemoryTimeline("cuda:0") as tl:
+        tl.step()
+    # the user's own recording (e.g. for their own snapshot) is not switched off under them
+    assert calls == ([] if already_recording else ["all", None])
