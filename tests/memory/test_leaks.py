@@ -391,3 +391,8 @@ def test_partial_and_callable_objects_are_followed() -> None:
 
     assert_leak(dk.find_leaks(Step()), "self.cache", "growing_container", "LEAK-callable")
     assert_leak(dk.find_leaks(functools.partial(add, [])), "args[0]", "growing_container", "LEAK-partial")
+
+
+def test_watch_must_be_a_dict() -> None:
+    with pytest.raises(dk.InvalidValueError, match="watch=3"):
+        dk.LeakDetector(watch=3)  # type: ignore[arg-type]

@@ -164,3 +164,16 @@ def test_timeline_leaves_a_users_allocator_history_on(monkeypatch: pytest.Monkey
         tl.step()
     # the user's own recording (e.g. for their own snapshot) is not switched off under them
     assert calls == ([] if already_recording else ["all", None])
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"top": -1}, "top=-1"), ({"top": "x"}, "top='x'"),
+                                               ({"device": "gpu"}, "device='gpu'")])
+def test_census_refuses_arguments_that_would_read_as_zero_tensors(kwargs: dict, named: str) -> None:
+    with pytest.raises(dk.DeviceKitError, match=named):
+        dk.memory.census(**kwargs)
+
+
+def test_census_accepts_a_torch_device() -> None:
+    keep = torch.ones(7)
+    listing = dk.memory.census(top=1000, device=torch.device("cpu"))
+    assert any(e.name == "keep" for e in listing.by_name) and keep.numel() == 7
