@@ -202,3 +202,8 @@ def test_observer_capture_is_used_only_for_the_failure_it_saw() -> None:
         diagnosis = explain(exc, usage=[], gpus=[], observed=stale)
         assert diagnosis.free is None and diagnosis.requested != 4 * GiB
         assert "at the moment of failure" not in diagnosis.source
+
+
+def test_bad_top_is_refused_before_the_failure_not_during_it() -> None:
+    with pytest.raises(dk.InvalidValueError, match="top=-2"):
+        dk.oom_guard(top=-2)

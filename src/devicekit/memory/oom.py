@@ -120,6 +120,11 @@ class OOMGuard(contextlib.ContextDecorator):
 
     def __init__(self, *, reraise: bool = True, file: IO[str] | None = None, top: int = 5,
                  usage: list[DeviceMemory] | None = None, gpus: list[GPU] | None = None) -> None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            from devicekit.errors import InvalidValueError
+
+            # checked now: at the failure a bad value would replace the OOM with its own error
+            raise InvalidValueError(f"oom_guard top={top!r} must be a whole number of rows >= 0, e.g. top=5")
         self.reraise = reraise
         self.file = file
         self.top = top
