@@ -207,3 +207,17 @@ def test_observer_capture_is_used_only_for_the_failure_it_saw() -> None:
 def test_bad_top_is_refused_before_the_failure_not_during_it() -> None:
     with pytest.raises(dk.InvalidValueError, match="top=-2"):
         dk.oom_guard(top=-2)
+
+
+def test_a_failing_diagnosis_never_replaces_the_oom(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit.memory import oom
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("NVML went away")
+
+    monkeypatch.setattr(oom, "explain", broken)
+    out = io.StringIO()
+    with pytest.raises(torch.OutOfMemoryError):
+        with dk.oom_guard(file=out):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+    assert "could not explain" in out.getvalue() and "NVML went away" in out.getvalue()

@@ -141,6 +141,10 @@ class OOMGuard(contextlib.ContextDecorator):
             return False
         try:
             self.diagnosis = _diagnose(exc, self.usage, self.gpus, self.top)
+        except Exception as err:  # the OOM is what the caller must see, never our own failure
+            print(f"devicekit: could not explain this out-of-memory error ({type(err).__name__}: {err})",
+                  file=self.file or sys.stderr, flush=True)
+        else:
             print(self.diagnosis.text(), file=self.file or sys.stderr, flush=True)
             with contextlib.suppress(AttributeError, TypeError):
                 exc.devicekit_diagnosis = self.diagnosis  # type: ignore[union-attr]
