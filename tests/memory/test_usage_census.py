@@ -177,3 +177,14 @@ def test_census_accepts_a_torch_device() -> None:
     keep = torch.ones(7)
     listing = dk.memory.census(top=1000, device=torch.device("cpu"))
     assert any(e.name == "keep" for e in listing.by_name) and keep.numel() == 7
+
+
+def test_release_of_an_activation_does_not_warn() -> None:
+    import warnings
+
+    weight = torch.ones(64, requires_grad=True)
+    activation = weight * 2  # not a leaf: reading its .grad makes torch warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        freed = dk.release(activation)
+    assert freed.tensors_freed == 256 and activation.untyped_storage().nbytes() == 0
