@@ -156,3 +156,58 @@ def test_ranks_agree_on_the_smallest(tmp_path: Path) -> None:
                 proc.wait()
     answers = sorted(line for out in outputs for line in out.splitlines() if line.startswith("ANSWER"))
     assert answers == ["ANSWER 0 27", "ANSWER 1 27"], outputs
+
+
+def test_cached_answer_outside_the_bounds_is_searched_again(tmp_path: Path) -> None:
+    cache = tmp_path / "bs.json"
+    assert dk.find_batch_size(HiddenLimit(21), start=4, key="mlp", cache=cache) == 21
+    eights = dk.find_batch_size(HiddenLimit(21), start=8, multiple_of=8, key="mlp", cache=cache)
+    assert eights == 16 and not eights.cached  # 21 is no multiple of 8
+    bounded = dk.find_batch_size(HiddenLimit(21), start=4, maximum=12, key="mlp", cache=cache)
+    assert bounded == 12 and not bounded.cached  # never above the caller's maximum
+
+
+def test_cached_answer_from_another_gpu_is_not_used(tmp_path: Path) -> None:
+    cache = tmp_path / "bs.json"
+    cache.write_text(json.dumps({"mlp": {"batch_size": 512, "device": "NVIDIA H100 80GB HBM3"}}))
+    found = dk.find_batch_size(HiddenLimit(21), start=4, key="mlp", cache=cache)
+    assert found == 21 and not found.cached  # this machine has no H100: search here
+
+
+CACHE_WORKER = """
+import sys, torch, torch.distributed as dist
+import devicekit as dk
+rank, init, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+def trial(n):
+    if n > 27:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+found = dk.find_batch_size(trial, start=8, key="net", cache=cache)
+print("ANSWER", rank, int(found), found.cached, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_without_the_cache_does_not_hang_the_others(tmp_path: Path) -> None:
+    src = str(Path(dk.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": src}
+    init = f"file://{tmp_path / 'rendezvous'}"
+    caches = [tmp_path / "node0.json", tmp_path / "node1.json"]  # node-local caches
+    caches[0].write_text(json.dumps({"net": {"batch_size": 24}}))  # only rank 0's node has it
+    procs = [subprocess.Popen([sys.executable, "-c", CACHE_WORKER, str(rank), init, str(caches[rank])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=40)[0])
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    answers = sorted(line for out in outputs for line in out.splitlines() if line.startswith("ANSWER"))
+    assert answers == ["ANSWER 0 27 False", "ANSWER 1 27 False"], outputs

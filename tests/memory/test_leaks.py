@@ -95,6 +95,17 @@ def test_evaluation_without_no_grad_keeps_activations() -> None:
     assert "no_grad" in leak.fix
 
 
+def test_evaluation_outputs_kept_with_graphs_advise_no_grad() -> None:
+    model, _ = make_model()
+    predictions: list[torch.Tensor] = []
+    with dk.LeakDetector() as ld:
+        for _ in range(6):
+            predictions.append(model(X))  # LEAK-eval-list
+            ld.step()
+    leak = assert_leak(ld.report(), "predictions", "growing_container", "LEAK-eval-list")
+    assert "no_grad" in leak.fix
+
+
 def test_growing_list_in_closure() -> None:
     model, _ = make_model()
     outputs: list[torch.Tensor] = []
@@ -380,3 +391,8 @@ def test_partial_and_callable_objects_are_followed() -> None:
 
     assert_leak(dk.find_leaks(Step()), "self.cache", "growing_container", "LEAK-callable")
     assert_leak(dk.find_leaks(functools.partial(add, [])), "args[0]", "growing_container", "LEAK-partial")
+
+
+def test_watch_must_be_a_dict() -> None:
+    with pytest.raises(dk.InvalidValueError, match="watch=3"):
+        dk.LeakDetector(watch=3)  # type: ignore[arg-type]

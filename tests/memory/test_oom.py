@@ -184,3 +184,40 @@ def test_install_oom_handler_chains_and_restores(monkeypatch: pytest.MonkeyPatch
     assert seen == ["RuntimeError"]
     assert "out of memory on cpu" in out.getvalue()
     assert sys.excepthook.__name__ == "<lambda>"
+
+
+def test_observer_capture_is_used_only_for_the_failure_it_saw() -> None:
+    from devicekit.memory.oom_explain import explain
+
+    short = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.15 GiB"
+    seen = {"device": 0, "requested": 20 * MiB, "limit": 80 * GiB, "free": 3 * MiB,
+            "allocated": 70 * GiB, "reserved": 75 * GiB, "time": 0.0}
+    diagnosis = explain(torch.OutOfMemoryError(short), usage=[], gpus=[], observed=seen)
+    assert diagnosis.free == 3 * MiB and diagnosis.reserved_unused == 5 * GiB
+    assert "at the moment of failure" in diagnosis.source
+    # an earlier capture (a batch-size trial of 4 GiB) must not explain a later cuBLAS failure
+    stale = {**seen, "requested": 4 * GiB}
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    for exc in (cublas, torch.OutOfMemoryError(short)):
+        diagnosis = explain(exc, usage=[], gpus=[], observed=stale)
+        assert diagnosis.free is None and diagnosis.requested != 4 * GiB
+        assert "at the moment of failure" not in diagnosis.source
+
+
+def test_bad_top_is_refused_before_the_failure_not_during_it() -> None:
+    with pytest.raises(dk.InvalidValueError, match="top=-2"):
+        dk.oom_guard(top=-2)
+
+
+def test_a_failing_diagnosis_never_replaces_the_oom(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit.memory import oom
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("NVML went away")
+
+    monkeypatch.setattr(oom, "explain", broken)
+    out = io.StringIO()
+    with pytest.raises(torch.OutOfMemoryError):
+        with dk.oom_guard(file=out):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+    assert "could not explain" in out.getvalue() and "NVML went away" in out.getvalue()

@@ -147,3 +147,44 @@ def test_timeline_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch: pyt
     tl.step()
     with pytest.raises(dk.MissingDependencyError, match="pip install 'devicekit\\[plot\\]'"):
         tl.plot(tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("already_recording", [False, True])
+def test_timeline_leaves_a_users_allocator_history_on(monkeypatch: pytest.MonkeyPatch,
+                                                      already_recording: bool) -> None:
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: already_recording, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append(enabled))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": [], "device_traces": []})
+    with dk.MemoryTimeline("cuda:0") as tl:
+        tl.step()
+    # the user's own recording (e.g. for their own snapshot) is not switched off under them
+    assert calls == ([] if already_recording else ["all", None])
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"top": -1}, "top=-1"), ({"top": "x"}, "top='x'"),
+                                               ({"device": "gpu"}, "device='gpu'")])
+def test_census_refuses_arguments_that_would_read_as_zero_tensors(kwargs: dict, named: str) -> None:
+    with pytest.raises(dk.DeviceKitError, match=named):
+        dk.memory.census(**kwargs)
+
+
+def test_census_accepts_a_torch_device() -> None:
+    keep = torch.ones(7)
+    listing = dk.memory.census(top=1000, device=torch.device("cpu"))
+    assert any(e.name == "keep" for e in listing.by_name) and keep.numel() == 7
+
+
+def test_release_of_an_activation_does_not_warn() -> None:
+    import warnings
+
+    weight = torch.ones(64, requires_grad=True)
+    activation = weight * 2  # not a leaf: reading its .grad makes torch warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        freed = dk.release(activation)
+    assert freed.tensors_freed == 256 and activation.untyped_storage().nbytes() == 0

@@ -24,7 +24,7 @@ def test_performance_mode_sets_all_switches_and_undo_restores() -> None:
     handle = dk.performance_mode()
     now = BackendFlags.capture()
     assert now.cudnn_benchmark and not now.deterministic_algorithms and not now.cudnn_deterministic
-    assert set(now.tf32.values()) <= {"tf32", True}
+    assert now.tf32["float32_matmul_precision"] == "high" and now.tf32["cudnn_allow_tf32"] is True
     handle.undo()
     assert BackendFlags.capture() == before
     handle.undo()  # a second undo does nothing
@@ -37,7 +37,7 @@ def test_deterministic_mode_as_context_manager() -> None:
         now = BackendFlags.capture()
         assert not now.cudnn_benchmark and now.cudnn_deterministic
         assert torch.are_deterministic_algorithms_enabled()
-        assert set(now.tf32.values()) <= {"ieee", False}
+        assert now.tf32["float32_matmul_precision"] == "highest" and now.tf32["cudnn_allow_tf32"] is False
         assert os.environ[CUBLAS_ENV] == ":4096:8"
         assert any(CUBLAS_ENV in line for line in handle.advice)
     assert BackendFlags.capture() == before
@@ -67,3 +67,26 @@ def test_restored_on_exception() -> None:
     with pytest.raises(KeyError), dk.deterministic_mode():
         raise KeyError("boom")
     assert BackendFlags.capture() == before
+
+
+def legacy_tf32_reads() -> tuple[bool, bool, str]:
+    return (bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32),
+            torch.get_float32_matmul_precision())
+
+
+def test_every_reader_of_the_tf32_switches_still_works_in_each_mode() -> None:
+    # Setting only torch >= 2.9's fp32_precision switches made torch raise "mix of the legacy
+    # and new APIs" for every later reader of allow_tf32 (torch.compile's Inductor, Lightning).
+    with dk.performance_mode():
+        assert legacy_tf32_reads() == (True, True, "high")
+    with dk.deterministic_mode():
+        assert legacy_tf32_reads() == (False, False, "highest")
+
+
+def test_user_tf32_choices_survive_a_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_float32_matmul_precision("medium")  # faster than TF32: performance mode keeps it
+    with dk.performance_mode():
+        assert torch.get_float32_matmul_precision() == "medium"
+    with dk.deterministic_mode():
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == "medium"

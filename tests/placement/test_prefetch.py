@@ -35,3 +35,8 @@ def test_prefetcher_is_reiterable_over_a_reiterable_source() -> None:
 def test_prefetcher_rejects_bad_device() -> None:
     with pytest.raises(dk.InvalidDeviceError, match="gpu"):
         dk.Prefetcher([], "gpu")
+
+
+def test_a_non_iterable_is_refused_at_once() -> None:
+    with pytest.raises(dk.InvalidValueError, match="got int"):
+        dk.Prefetcher(3, "cpu")  # type: ignore[arg-type]

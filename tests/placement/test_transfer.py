@@ -122,6 +122,11 @@ def test_bad_device_is_rejected_before_anything_moves() -> None:
     assert model.weight.device.type == "cpu"
 
 
+def test_unhashable_skip_keys_is_a_one_line_error() -> None:
+    with pytest.raises(dk.InvalidValueError, match=r"skip_keys=\[\['meta'\]\]"):
+        dk.to_device({"meta": torch.ones(1)}, "cpu", skip_keys=[["meta"]])
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """cuda:0 'exists' and Tensor.to/is_pinned are recorded instead of run."""

@@ -90,18 +90,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _agree(fits: bool) -> bool:
-    """All ranks fit, or none does: every rank follows the same search."""
+def _all_min(value: int) -> int:
+    """The smallest ``value`` over all ranks (``value`` itself outside a distributed run)."""
     if not _distributed():
-        return fits
+        return value
     import torch.distributed as dist
 
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if fits else 0], device=device)
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return int(flag.item())
+
+
+def _agree(fits: bool) -> bool:
+    """All ranks fit, or none does: every rank follows the same search."""
+    return bool(_all_min(1 if fits else 0))
 
 
 def _is_main() -> bool:
@@ -168,9 +173,16 @@ def find_batch_size(
     start_units = min(start // step, top)
     if key is not None and not refresh:
         found = read_cached(key, cache)
-        if found is not None:
-            log.info("batch size %d for %r from the cache", found, key)
-            return BatchSize(found, [], cached=True)
+        if found is not None and not (minimum <= found <= top * step and found % step == 0):
+            log.info("cached batch size %d for %r is outside minimum=%d, maximum=%s, multiple_of=%d; "
+                     "searching again", found, key, minimum, maximum, step)
+            found = None
+        # every rank uses the cache or none does (a rank without it would wait in the search's
+        # collectives for ranks that returned at once); where all have it, the smallest wins
+        agreed = _all_min(found if found is not None else -1)
+        if agreed >= 0:
+            log.info("batch size %d for %r from the cache", agreed, key)
+            return BatchSize(agreed, [], cached=True)
     gc.collect()  # once, in full; then freeze it so the collection after each failed trial only
     frozen = gc.get_freeze_count() == 0  # looks at objects the trials made (never undo a user freeze)
     if frozen:

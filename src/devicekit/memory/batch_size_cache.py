@@ -39,9 +39,25 @@ def _load(path: Path) -> dict[str, Any]:
     return data
 
 
+def _device_name() -> str | None:
+    """The GPU an answer was found on (None without CUDA): an answer is only valid there."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(torch.cuda.current_device()))
+    except Exception:
+        pass
+    return None
+
+
 def read_cached(key: str, cache: str | Path | None = None) -> int | None:
+    """The answer cached under ``key``, or None; an answer found on another GPU model (or on
+    the CPU for a GPU now, or the reverse) does not count: it would not fit, or would waste memory."""
     entry = _load(Path(cache) if cache is not None else default_cache_file()).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("batch_size"), int):
+        if entry.get("device") != _device_name():
+            return None
         return int(entry["batch_size"])
     return None
 
@@ -56,10 +72,11 @@ def write_cached(key: str, batch_size: int, cache: str | Path | None = None) -> 
         import torch
 
         entry["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            entry["device"] = torch.cuda.get_device_name(torch.cuda.current_device())
-    except Exception:  # the cache entry is still useful without these
+    except Exception:  # the cache entry is still useful without it
         pass
+    device = _device_name()
+    if device is not None:
+        entry["device"] = device
     data[key] = entry
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -110,6 +110,9 @@ def census(top: int = 20, *, device: str | None = None, frames: Iterable[types.F
     """Take the census; ``top`` rows per table. ``device``: only tensors on this device
     (``"cuda:0"``) or device type (``"cuda"``). ``frames``: extra frames whose locals name
     tensors (the OOM explainer passes the traceback's frames)."""
+    _check_arguments(top, device)
+    if isinstance(device, torch.device):
+        device = str(device)
     caller = sys._getframe(1)
     found, modules, optimizers = scan_objects()
     all_tensors = found if tensors is None else tensors
@@ -154,6 +157,22 @@ def census(top: int = 20, *, device: str | None = None, frames: Iterable[types.F
                         key=lambda g: -g.bytes)
     notes = ["tensors held only by C++ (saved for backward) are not Python objects and are not listed"]
     return Census(total, count, rows, group_rows[:top], by_category, by_device, notes)
+
+
+def _check_arguments(top: Any, device: Any) -> None:
+    """A bad ``top`` or ``device`` must not pass for "0 live tensors", which reads as a measurement."""
+    from devicekit.errors import InvalidDeviceError, InvalidValueError
+
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise InvalidValueError(f"census top={top!r} must be a whole number of rows >= 0, e.g. top=20")
+    if device is None:
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidDeviceError(
+            f"census device={device!r} is not a device; write e.g. 'cuda', 'cuda:0' or 'cpu'"
+        ) from None
 
 
 _Name = tuple[str, str, str, int]  # name, category, where, rank (lower wins)

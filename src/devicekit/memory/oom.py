@@ -120,6 +120,11 @@ class OOMGuard(contextlib.ContextDecorator):
 
     def __init__(self, *, reraise: bool = True, file: IO[str] | None = None, top: int = 5,
                  usage: list[DeviceMemory] | None = None, gpus: list[GPU] | None = None) -> None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            from devicekit.errors import InvalidValueError
+
+            # checked now: at the failure a bad value would replace the OOM with its own error
+            raise InvalidValueError(f"oom_guard top={top!r} must be a whole number of rows >= 0, e.g. top=5")
         self.reraise = reraise
         self.file = file
         self.top = top
@@ -136,6 +141,10 @@ class OOMGuard(contextlib.ContextDecorator):
             return False
         try:
             self.diagnosis = _diagnose(exc, self.usage, self.gpus, self.top)
+        except Exception as err:  # the OOM is what the caller must see, never our own failure
+            print(f"devicekit: could not explain this out-of-memory error ({type(err).__name__}: {err})",
+                  file=self.file or sys.stderr, flush=True)
+        else:
             print(self.diagnosis.text(), file=self.file or sys.stderr, flush=True)
             with contextlib.suppress(AttributeError, TypeError):
                 exc.devicekit_diagnosis = self.diagnosis  # type: ignore[union-attr]

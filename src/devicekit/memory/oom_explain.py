@@ -105,7 +105,7 @@ def explain(
     sources = ["the error message"]
     requested, free, total = facts.requested, facts.free, facts.total
     allocated, unused = facts.allocated, facts.reserved_unused
-    if observed and observed.get("device") == index and backend == "cuda":
+    if observed and observed.get("device") == index and backend == "cuda" and _same_request(facts, observed):
         sources.append("the allocator at the moment of failure")
         requested = requested if requested is not None else observed.get("requested")
         free = free if free is not None else observed.get("free")
@@ -129,6 +129,16 @@ def explain(
     fixes = _rank_fixes(diag_facts, others, holders)
     return OOMDiagnosis(backend, device, requested, free, total, facts.allowed, allocated, unused, others,
                         holders, fixes, ", then ".join(sources), error=str(exc).split("\n")[0][:300])
+
+
+def _same_request(facts: OOMFacts, observed: dict[str, Any]) -> bool:
+    """Whether the observer's capture is of this failure: the allocator's message states the
+    size it could not allocate (to 2 decimals), the observer the exact size. A capture from an
+    earlier failure (a batch-size trial, a caught OOM) must not explain a later error."""
+    asked = observed.get("requested")
+    if facts.requested is None or not isinstance(asked, int):
+        return False
+    return abs(facts.requested - asked) <= max(0.01 * asked, 1)
 
 
 def _usage_row(device: str, usage: list[DeviceMemory] | None) -> DeviceMemory | None:

@@ -141,7 +141,7 @@ def _collect(obj: Any, out: list[torch.Tensor], depth: int) -> None:
         return
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-        if obj.grad is not None:
+        if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:  # non-leaf .grad warns
             out.append(obj.grad)
             obj.grad = None
         return

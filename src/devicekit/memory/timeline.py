@@ -48,6 +48,15 @@ class TimelineSample:
     rss: int | None  # process resident memory
 
 
+def _history_enabled() -> bool:
+    """Whether the CUDA allocator history is already being recorded (by the user or a tool)."""
+    check = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
 class MemoryTimeline:
     """Record memory per step; see the module docstring."""
 
@@ -68,6 +77,7 @@ class MemoryTimeline:
         self.samples: list[TimelineSample] = []
         self._t0 = 0.0
         self._recording = False
+        self._owns_history = False
         self._step = 0
 
     def __enter__(self) -> MemoryTimeline:
@@ -80,15 +90,19 @@ class MemoryTimeline:
     def start(self) -> None:
         self._t0 = time.perf_counter()
         if self.history and not self._recording:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
-            self._recording = True
+            if _history_enabled():  # someone else records: share it, and leave it on at stop()
+                self._recording, self._owns_history = True, False
+            else:
+                torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+                self._recording, self._owns_history = True, True
         self.samples.append(self._sample(None))
 
     def stop(self) -> None:
         """Stop recording the allocator history (the recorded part stays for the snapshot)."""
         if self._recording:
             self._snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if self._owns_history:
+                torch.cuda.memory._record_memory_history(enabled=None)
             self._recording = False
 
     def step(self, label: str | None = None) -> TimelineSample:

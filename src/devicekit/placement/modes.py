@@ -1,7 +1,8 @@
 """Speed or reproducibility: the cuDNN, TF32 and determinism switches set together, undoably.
 
 ``performance_mode()`` turns on ``cudnn.benchmark`` (the seeds' tip for fixed input sizes) and
-TF32 for matmuls and convolutions, and turns off deterministic algorithms.
+TF32 for matmuls and convolutions (``set_float32_matmul_precision("high")``, which also lets
+oneDNN use TF32 on CPUs that have it), and turns off deterministic algorithms.
 ``deterministic_mode()`` does the opposite: no benchmark, no TF32, ``cudnn.deterministic`` and
 ``torch.use_deterministic_algorithms(True)``, plus ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when it is
 unset (cuBLAS needs it for deterministic results on CUDA >= 10.2; the handle's ``advice`` says so).
@@ -73,33 +74,59 @@ class BackendFlags:
 def _tf32_targets() -> dict[str, Any]:
     """name -> the object whose TF32 switch it is (new ``fp32_precision`` API, torch >= 2.9)."""
     cudnn = torch.backends.cudnn
-    return {"matmul": torch.backends.cuda.matmul, "conv": cudnn.conv, "rnn": cudnn.rnn}
+    targets = {"matmul": torch.backends.cuda.matmul, "conv": cudnn.conv, "rnn": cudnn.rnn}
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)  # set_float32_matmul_precision moves it
+    if mkldnn is not None:
+        targets["mkldnn_matmul"] = mkldnn
+    return targets
 
 
 def _read_tf32() -> dict[str, Any]:
+    """The legacy switches (None where torch refuses to read them because the new API was
+    used) and, on torch >= 2.9, the new ``fp32_precision`` values, so undo restores both."""
+    values: dict[str, Any] = {}
+    try:
+        values["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "mix of the legacy and new APIs": only the new values are readable
+        values["float32_matmul_precision"] = None
+    try:
+        values["cudnn_allow_tf32"] = bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        values["cudnn_allow_tf32"] = None
     if _NEW_TF32_API:
-        return {name: obj.fp32_precision for name, obj in _tf32_targets().items()}
-    return {
-        "matmul": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn": torch.backends.cudnn.allow_tf32,
-    }
+        values.update({name: obj.fp32_precision for name, obj in _tf32_targets().items()})
+    return values
 
 
 def _write_tf32(values: dict[str, Any]) -> None:
+    """Legacy switches first (torch keeps the new API in step with them, so every reader of
+    either API still works), then exact new-API values where they were captured."""
+    precision = values.get("float32_matmul_precision")
+    if precision is not None:
+        torch.set_float32_matmul_precision(precision)
+    allow = values.get("cudnn_allow_tf32")
+    if allow is not None:
+        torch.backends.cudnn.allow_tf32 = allow
     if _NEW_TF32_API:
         targets = _tf32_targets()
         for name, value in values.items():
-            targets[name].fp32_precision = value
-        return
-    torch.backends.cuda.matmul.allow_tf32 = values["matmul"]
-    torch.backends.cudnn.allow_tf32 = values["cudnn"]
+            if name in targets:
+                targets[name].fp32_precision = value
 
 
 def _tf32(enabled: bool) -> dict[str, Any]:
-    if _NEW_TF32_API:
-        value = "tf32" if enabled else "ieee"
-        return dict.fromkeys(_tf32_targets(), value)
-    return {"matmul": enabled, "cudnn": enabled}
+    """The switches for TF32 on or off, through the legacy setters only. Setting only the new
+    ``fp32_precision`` API (torch >= 2.9) leaves ``torch.backends.cuda.matmul.allow_tf32`` and
+    ``torch.get_float32_matmul_precision()`` raising "mix of the legacy and new APIs" for every
+    later reader (torch.compile's Inductor, Lightning, user code)."""
+    precision = "highest"
+    if enabled:
+        try:
+            current = torch.get_float32_matmul_precision()
+        except RuntimeError:
+            current = "highest"
+        precision = "medium" if current == "medium" else "high"  # never slow a faster setting
+    return {"float32_matmul_precision": precision, "cudnn_allow_tf32": enabled}
 
 
 class ModeHandle:

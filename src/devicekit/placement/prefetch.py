@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from devicekit.errors import InvalidValueError
 from devicekit.placement.devices import DeviceLike, as_device
 from devicekit.placement.transfer import iter_tensors, pin_memory, to_device
 
@@ -38,6 +39,10 @@ class Prefetcher(Generic[T]):
     """Iterate ``iterable`` with each batch already on ``device``; ``len()`` where it has one."""
 
     def __init__(self, iterable: Iterable[T], device: DeviceLike, *, pin_memory: bool = False) -> None:
+        if not isinstance(iterable, Iterable):
+            raise InvalidValueError(
+                f"Prefetcher needs an iterable of batches (e.g. a DataLoader), got {type(iterable).__name__}"
+            )
         self.iterable = iterable
         self.device = as_device(device)
         self.pin_memory = pin_memory

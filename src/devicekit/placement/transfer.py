@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from devicekit.errors import PlacementError
+from devicekit.errors import InvalidValueError, PlacementError
 from devicekit.placement.devices import DeviceLike, accelerator_type, as_device
 from devicekit.placement.walk import Walk, iter_tensors
 
@@ -88,7 +88,13 @@ def to_device(
     elif isinstance(skip_keys, (str, bytes)) or not isinstance(skip_keys, Collection):
         skip = frozenset([skip_keys])
     else:
-        skip = frozenset(skip_keys)
+        try:
+            skip = frozenset(skip_keys)
+        except TypeError:  # e.g. skip_keys=[["meta"]]: keys must be hashable like dict keys
+            raise InvalidValueError(
+                f"skip_keys={skip_keys!r} holds an unhashable item; pass mapping keys, "
+                "e.g. skip_keys={'meta'}"
+            ) from None
     if type(obj) is Tensor and obj.device == target:  # the commonest call: nothing to do
         return obj
     walk = Walk(target, _move_tensor, _move_object, _move_module, skip, non_blocking)

@@ -61,6 +61,10 @@ class LeakDetector:
                  watch: dict[str, Any] | None = None) -> None:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise InvalidValueError(f"warmup={warmup!r} must be a whole number of steps >= 0")
+        if watch is not None and not isinstance(watch, dict):
+            raise InvalidValueError(
+                f"watch={watch!r} is not a dict; pass names and objects, e.g. watch={{'trainer': trainer}}"
+            )
         self.warmup = warmup
         self.lines = lines
         self.cycles = cycles

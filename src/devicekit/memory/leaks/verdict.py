@@ -30,6 +30,9 @@ def fix_for(kind: str, holder: str, *, graph_alive: bool, has_graph: bool) -> st
         return (f"`{holder}` keeps every step's autograd graph: accumulate a number "
                 f"(`{holder} += loss.item()`) or a detached tensor (`loss.detach()`)")
     if kind == "growing_container":
+        if graph_alive:  # outputs kept with graphs never backpropagated: an evaluation loop
+            return (f"`{holder}` stores outputs with their graph and activations (never backpropagated) "
+                    f"every step: evaluate under `torch.no_grad()`, or store `x.detach()`/`x.item()`")
         if has_graph:
             return (f"`{holder}` stores tensors with their autograd graph every step: store `x.item()` "
                     f"or `x.detach()` (`.cpu()` for GPU tensors), and bound it")
