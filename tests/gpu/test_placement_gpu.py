@@ -75,6 +75,23 @@ def test_prefetcher_stays_correct_under_load(cuda: torch.device) -> None:
     assert [t.item() for t in indices] == list(range(12))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_prefetcher_waits_for_a_loader_writing_on_another_gpu(cuda: torch.device) -> None:
+    other = torch.device("cuda", 1)
+
+    def cuda_loader():
+        for i in range(3):
+            with torch.cuda.device(other):
+                torch.cuda._sleep(LONG_SLEEP)  # the loader's stream is busy ...
+                yield {"x": torch.full((1 << 20,), float(i), device=other)}  # ... then writes
+
+    checks = [(batch["x"] == float(i)).all() for i, batch in
+              enumerate(dk.Prefetcher(cuda_loader(), cuda))]
+    torch.cuda.synchronize()
+    assert all(c.item() for c in checks)
+
+
 def test_prefetcher_copies_overlap_compute(cuda: torch.device) -> None:
     batches = make_batches(3, 1 << 20)
     prefetcher = dk.Prefetcher(batches, cuda)

@@ -73,6 +73,10 @@ class Prefetcher(Generic[T]):
                 return _END
             if self.pin_memory:
                 batch = pin_memory(batch)
+            for source_device in {t.device for t in iter_tensors(batch) if t.device.type == "cuda"}:
+                # a loader yielding CUDA tensors wrote them on its current stream: the side
+                # stream must not read them before that work is done (another GPU's tensors)
+                side.wait_stream(torch.cuda.current_stream(source_device))
             with torch.cuda.stream(side):
                 return to_device(batch, device)  # async from pinned memory, on the side stream
 
