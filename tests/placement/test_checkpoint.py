@@ -230,25 +230,44 @@ def test_directory_as_path_is_refused(tmp_path: Path) -> None:
         dk.save_checkpoint({"v": 1}, tmp_path)
 
 
+def _fake_broadcast(received: list[list[object]], rank0_says: object = "keep") -> Any:
+    """Stands in for broadcast_object_list: records what rank 0 sent, or delivers ``rank0_says``."""
+
+    def broadcast(objects: list[object], src: int = 0, **kwargs: Any) -> None:
+        if rank0_says != "keep":
+            objects[0] = rank0_says
+        received.append(list(objects))
+
+    return broadcast
+
+
 def test_only_rank_zero_writes_and_every_rank_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    barriers: list[int] = []
-    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: barriers.append(1))
+    received: list[list[object]] = []
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", _fake_broadcast(received))
     monkeypatch.setattr(checkpoint, "_distributed", lambda: (True, 1))
     path = tmp_path / "dist.pt"
     dk.save_checkpoint({"v": 1}, path)
-    assert not path.exists() and barriers == [1]
+    assert not path.exists() and received == [[None]]
     monkeypatch.setattr(checkpoint, "_distributed", lambda: (True, 0))
     dk.save_checkpoint({"v": 1}, path)
-    assert path.exists() and barriers == [1, 1]
+    assert path.exists() and received == [[None], [None]]
 
 
-def test_rank_zero_failure_still_reaches_the_barrier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    barriers: list[int] = []
-    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: barriers.append(1))
+def test_rank_zero_failure_still_reaches_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[list[object]] = []
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", _fake_broadcast(received))
     monkeypatch.setattr(checkpoint, "_distributed", lambda: (True, 0))
     with pytest.raises(dk.CheckpointError):
         dk.save_checkpoint({"f": lambda: 0}, tmp_path / "x.pt")
-    assert barriers == [1]  # the other ranks are not left hanging
+    assert len(received) == 1 and isinstance(received[0][0], str)  # the others are told, not left hanging
+
+
+def test_other_ranks_raise_when_rank_zero_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list",
+                        _fake_broadcast([], rank0_says="No space left on device"))
+    monkeypatch.setattr(checkpoint, "_distributed", lambda: (True, 1))
+    with pytest.raises(dk.CheckpointError, match="rank 0 could not write .*No space left"):
+        dk.save_checkpoint({"v": 1}, tmp_path / "y.pt")
 
 
 def test_real_single_process_group(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 ``save_checkpoint`` writes to a temporary file in the same directory, flushes and fsyncs it,
 renames it over the target (``os.replace`` is atomic) and fsyncs the directory: a crash or a
 kill at any moment leaves either the old checkpoint or the new one, never half of one. In a
-distributed run (``torch.distributed`` initialised) only rank 0 writes and every rank waits at
-a barrier, so no rank reads a file that is still being written.
+distributed run (``torch.distributed`` initialised) only rank 0 writes and every rank waits for
+its outcome, so no rank reads a file that is still being written, and when rank 0 fails every
+rank raises.
 
 ``load_checkpoint`` maps every tensor onto this process's device by default (the seeds' advice:
 without ``map_location`` a checkpoint saved on ``cuda:1`` cannot load on a 1-GPU or CPU-only
@@ -108,8 +109,9 @@ def _write_atomically(obj: Any, path: Path) -> None:
 def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     """Save ``obj`` with ``torch.save`` atomically; returns the path written.
 
-    In a distributed run only rank 0 writes; all ranks then meet at a barrier (also when rank 0
-    failed, which then raises on rank 0 only).
+    In a distributed run only rank 0 writes; then rank 0 tells every rank whether it succeeded
+    (a broadcast that is also the barrier), so when rank 0 fails every rank raises
+    :class:`CheckpointError`, and none goes on believing the checkpoint exists.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(
@@ -120,11 +122,17 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     if not distributed:
         _write_atomically(obj, target)
         return target
+    outcome: list[str | None] = [None]  # rank 0's error, None for success
     try:
         if rank == 0:
             _write_atomically(obj, target)
+    except BaseException as exc:
+        outcome[0] = str(exc) or type(exc).__name__
+        raise
     finally:
-        torch.distributed.barrier()
+        torch.distributed.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(f"rank 0 could not write checkpoint {str(target)!r}: {outcome[0]}")
     return target
 
 
