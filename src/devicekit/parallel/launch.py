@@ -66,6 +66,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _host_store(world: int) -> Any:
+    """A TCPStore served by this process on a port the OS picked, or None without torch.distributed."""
+    try:
+        from torch.distributed import TCPStore, is_available
+    except ImportError:
+        return None
+    if not is_available():
+        return None
+    return TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -161,8 +172,11 @@ class _Job:
     def run(self) -> list[Any]:
         ctx = multiprocessing.get_context("spawn")
         try:
-            port = free_port()
-            self.start(ctx, port)
+            # the parent hosts the rendezvous store on a port it has bound (torchrun's agent
+            # store): no window in which another process could take a port chosen for rank 0
+            store = _host_store(self.world)
+            port = store.port if store is not None else free_port()
+            self.start(ctx, port, agent_store=store is not None)
             self.supervise()
             return [self.results[rank] for rank in range(self.world)]
         finally:
@@ -171,11 +185,13 @@ class _Job:
                 conn.close()
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def start(self, ctx: Any, port: int) -> None:
+    def start(self, ctx: Any, port: int, *, agent_store: bool = False) -> None:
         try:
             for rank in range(self.world):
                 reader, writer = ctx.Pipe(duplex=False)
                 variables = self.variables(rank, port)
+                if agent_store:  # every rank connects to the parent's store as a client
+                    variables["TORCHELASTIC_USE_AGENT_STORE"] = "True"
                 proc = ctx.Process(
                     target=rank_main,
                     args=(self.payload, variables, writer, self.stack_path(rank),

@@ -97,7 +97,8 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
-        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER):
+        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
+                      "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
         env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
         if allocation.on_gpu:
@@ -109,7 +110,9 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
             env.update(single_process_variables(_free_port()))
             return RunPlan(command, env, allocation, notes)
         addr = request.master_addr or "127.0.0.1"
-        port = request.master_port or (DEFAULT_PORT if request.nnodes > 1 else _free_port())
+        # one node and no port asked for: torchrun binds a free port itself (its c10d
+        # rendezvous on localhost:0), so no other process can take it between choice and bind
+        port = request.master_port or (DEFAULT_PORT if request.nnodes > 1 else None)
         if request.nnodes > 1 and is_loopback(addr):
             env[LOOPBACK_OK_ENV] = "1"
             notes.append(
@@ -121,14 +124,14 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
             "--nnodes", str(request.nnodes),
             "--node-rank", str(request.node_rank or 0),
             "--nproc-per-node", str(allocation.nprocs),
-            "--master-addr", addr,
-            "--master-port", str(port),
+            *(["--master-addr", addr, "--master-port", str(port)] if port is not None else []),
             "--no-python",
             *command,
         ]
+        master = f"{addr}:{port}" if port is not None else "this host, a port torchrun picks"
         notes.append(
             f"torchrun: {allocation.nprocs} process(es) on node {request.node_rank or 0} of"
-            f" {request.nnodes}, master {addr}:{port}"
+            f" {request.nnodes}, master {master}"
         )
         return RunPlan(argv, env, allocation, notes)
     except BaseException:
