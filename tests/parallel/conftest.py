@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,15 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def pid_written(pid_file: Path, timeout: float = 30) -> int:
+    """The pid a started child writes to ``pid_file``, waiting for it at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "child never started"
+        time.sleep(0.05)
+    return int(pid_file.read_text())
 
 
 def devicekit_command(*args: str) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from devicekit.parallel.launch import free_port
 
-from .conftest import child_env, devicekit_command
+from .conftest import child_env, devicekit_command, pid_written
 
 pytestmark = pytest.mark.slow
 
@@ -88,11 +88,7 @@ def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> N
     proc = subprocess.Popen(devicekit_command("run", "--", sys.executable, "-c", script),
                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "child never started"
-            time.sleep(0.05)
-        child = int(pid_file.read_text())
+        child = pid_written(pid_file)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=20)
     finally:
@@ -154,11 +150,7 @@ def test_child_stops_when_devicekit_run_is_killed(tmp_path: Path) -> None:
                               env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     child = None
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "child never started"
-            time.sleep(0.05)
-        child = psutil.Process(int(pid_file.read_text()))
+        child = psutil.Process(pid_written(pid_file))
         runner.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal must do it
         runner.wait(timeout=10)
         gone, alive = psutil.wait_procs([child], timeout=10)

@@ -20,7 +20,7 @@ from devicekit.hardware.leases import read_leases
 from devicekit.parallel.allocation import allocate
 from tests.conftest import h100
 
-from .conftest import child_env, devicekit_command
+from .conftest import child_env, devicekit_command, pid_written
 
 UUIDS = [f"GPU-0000000{i}-1111-2222-3333-444444444444" for i in range(4)]
 
@@ -148,11 +148,7 @@ def test_lease_outlives_a_killed_devicekit_run(four_gpus: Path, tmp_path: Path,
                               env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     child = None
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "child never started"
-            time.sleep(0.05)
-        child = psutil.Process(int(pid_file.read_text()))
+        child = psutil.Process(pid_written(pid_file))
         runner.kill()  # SIGKILL: devicekit run cannot clean up
         runner.wait(timeout=10)
         time.sleep(0.3)
