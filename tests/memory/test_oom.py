@@ -94,6 +94,24 @@ def test_guard_explains_a_simulated_cuda_oom_and_frees_the_frames(simulate) -> N
     assert refs[0]() is None  # the failed frame's tensor is gone
 
 
+def test_other_processes_come_from_the_gpu_cuda_visible_devices_names(simulate, monkeypatch) -> None:
+    from devicekit.hardware.visible import DeviceOrderWarning
+    from devicekit.memory.oom_explain import explain
+
+    simulate([{"name": "NVIDIA A100-SXM4-40GB", "memory_total": "40GiB", "compute_capability": "8.0",
+               "processes": [{"pid": 1111, "user": "bob", "memory": "1GiB"}]},
+              h100(used="30GiB", compute_capability="9.0",
+                   processes=[{"pid": 4242, "user": "alice", "memory": "30GiB"}])])
+    # CUDA's default order is fastest first: cuda:0 under "0" is the H100, physical GPU 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.warns(DeviceOrderWarning):
+        diagnosis = explain(torch.OutOfMemoryError(NEW_FORMAT), usage=fake_usage())
+    assert [(p.pid, p.user) for p in diagnosis.other_processes] == [(4242, "alice")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "bogus")  # a bad value never breaks the diagnosis:
+    others = explain(torch.OutOfMemoryError(NEW_FORMAT), usage=fake_usage()).other_processes
+    assert [(p.pid, p.user) for p in others] == [(4242, None)]  # only what the message says
+
+
 def test_guard_reraises_by_default_and_attaches_the_diagnosis(simulate) -> None:
     simulate([h100()])
     out = io.StringIO()

@@ -23,21 +23,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from devicekit.hardware.gpu import GPU
+from devicekit.errors import DeviceKitError
+from devicekit.hardware.gpu import GPU, GPUProcess
+from devicekit.hardware.visible import visible_devices
 from devicekit.memory.census import CensusEntry, census
 from devicekit.memory.oom_message import OOMFacts, parse_oom
 from devicekit.memory.usage import DeviceMemory
 from devicekit.units import format_size
 
 __all__ = ["OOMDiagnosis", "explain"]
-
-
-@dataclass(frozen=True)
-class OtherProcess:
-    pid: int
-    memory: int | None
-    user: str | None = None
-    command: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class OOMDiagnosis:
     allowed: int | None
     allocated: int | None
     reserved_unused: int | None
-    other_processes: list[OtherProcess]
+    other_processes: list[GPUProcess]
     holders: list[CensusEntry]
     fixes: list[str]
     source: str  # where the figures came from
@@ -153,15 +147,7 @@ def _usage_row(device: str, usage: list[DeviceMemory] | None) -> DeviceMemory | 
     return next((row for row in usage if row.device == device), None)
 
 
-def _physical_index(index: int) -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return str(index)
-    items = [item.strip() for item in visible.split(",") if item.strip()]
-    return items[index] if index < len(items) else str(index)
-
-
-def _other_processes(facts: OOMFacts, index: int, gpus: list[GPU] | None) -> list[OtherProcess]:
+def _other_processes(facts: OOMFacts, index: int, gpus: list[GPU] | None) -> list[GPUProcess]:
     if gpus is None:
         try:
             from devicekit.hardware.inventory import gpus as inventory
@@ -169,20 +155,22 @@ def _other_processes(facts: OOMFacts, index: int, gpus: list[GPU] | None) -> lis
             gpus = inventory()
         except Exception:  # NVML trouble must not hide the diagnosis
             gpus = []
-    wanted = _physical_index(index)
-    gpu = next((g for g in gpus if str(g.index) == wanted or g.uuid == wanted
-                or (wanted.startswith("GPU-") and g.uuid.startswith(wanted))), None)
-    found: dict[int, OtherProcess] = {}
+    try:  # cuda:<index> in this process -> the physical GPU (CUDA_VISIBLE_DEVICES applied)
+        visible = visible_devices(gpus)
+        gpu = visible[index].gpu if index < len(visible) else None
+    except DeviceKitError:  # a bad CUDA_VISIBLE_DEVICES must not hide the diagnosis
+        gpu = None
+    found: dict[int, GPUProcess] = {}
     for proc in gpu.processes if gpu is not None else ():
         if proc.pid != os.getpid():
-            found[proc.pid] = OtherProcess(proc.pid, proc.memory, proc.user, proc.command)
+            found[proc.pid] = proc
     for pid, size in facts.processes:
         if pid != os.getpid() and pid not in found:
-            found[pid] = OtherProcess(pid, size)
+            found[pid] = GPUProcess(pid, memory=size)
     return sorted(found.values(), key=lambda p: -(p.memory or 0))
 
 
-def _rank_fixes(f: OOMFacts, others: list[OtherProcess], holders: list[CensusEntry]) -> list[str]:
+def _rank_fixes(f: OOMFacts, others: list[GPUProcess], holders: list[CensusEntry]) -> list[str]:
     ranked: list[tuple[float, str]] = []
     limit = f.allowed or f.total
     asked = f.requested or 0

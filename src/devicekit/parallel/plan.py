@@ -30,7 +30,6 @@ Usage::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,19 +58,10 @@ class Budget:
 
 
 def _visible_ordinals(gpus: Sequence[Any]) -> list[tuple[Any, int]]:
-    """Pair each GPU with the ordinal torch gives it under ``CUDA_VISIBLE_DEVICES``."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None:
-        return [(gpu, gpu.index) for gpu in gpus]
-    pairs = []
-    for ordinal, entry in enumerate(e.strip() for e in env.split(",") if e.strip()):
-        for gpu in gpus:
-            if (entry.isdigit() and int(entry) == gpu.index) or (
-                entry.startswith("GPU-") and gpu.uuid.startswith(entry)
-            ):
-                pairs.append((gpu, ordinal))
-                break
-    return pairs
+    """Pair each GPU this process may use with the ordinal torch gives it (hardware.visible)."""
+    from devicekit.hardware.visible import visible_devices
+
+    return [(device.gpu, device.ordinal) for device in visible_devices(gpus)]
 
 
 def default_budgets(headroom: float) -> list[Budget]:
