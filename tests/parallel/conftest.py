@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -49,6 +51,25 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def rendezvous_port() -> int:
+    """A free port below the ephemeral range, for processes that rendezvous on it later.
+
+    A port the OS hands out as free (bind to 0) is an ephemeral one; a TCPStore client that
+    retries ``connect()`` to it before the server listens can get it as its own local port and
+    connect to itself (TCP simultaneous open), hanging the rendezvous.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def pid_written(pid_file: Path, timeout: float = 30) -> int:

@@ -54,7 +54,7 @@ def test_slurm_variables() -> None:
     assert (facts.rank, facts.local_rank, facts.world_size, facts.local_world_size) == (6, 2, 8, 4)
     assert (facts.node_rank, facts.nnodes) == (1, 2)
     assert facts.master_addr == "gpu07"
-    assert facts.master_port == port_for_job("123456") == 15000 + 123456 % 20000
+    assert facts.master_port == port_for_job("123456") == 15000 + 123456 % 15000
 
 
 def test_slurm_master_variables_win() -> None:

@@ -14,9 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from devicekit.parallel.launch import free_port
-
-from .conftest import child_env, devicekit_command, pid_written
+from .conftest import child_env, devicekit_command, pid_written, rendezvous_port
 
 pytestmark = pytest.mark.slow
 
@@ -185,25 +183,34 @@ NODE_SCRIPT = textwrap.dedent(
 def test_two_nodes_rendezvous_on_loopback(tmp_path: Path, no_leftover_children: None) -> None:
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT)
-    port = str(free_port())
-    nodes = [
-        subprocess.Popen(
-            devicekit_command("run", "--procs", "1", "--nnodes", "2", "--node-rank", str(rank),
-                              "--master-addr", "127.0.0.1", "--master-port", port, "--",
-                              sys.executable, str(script), str(tmp_path)),
-            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in (0, 1)
-    ]
+    port = str(rendezvous_port())  # not an ephemeral port: see rendezvous_port
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = []
+    for rank in (0, 1):
+        with logs[rank].open("w") as log:  # files, not pipes: nothing to drain, kept on failure
+            nodes.append(subprocess.Popen(
+                devicekit_command("run", "--procs", "1", "--nnodes", "2", "--node-rank", str(rank),
+                                  "--master-addr", "127.0.0.1", "--master-port", port, "--",
+                                  sys.executable, str(script), str(tmp_path)),
+                env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+            ))
     try:
-        outputs = [node.communicate(timeout=120) for node in nodes]
+        deadline = time.monotonic() + 120
+        for node in nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(timeout=max(deadline - time.monotonic(), 0.1))
     finally:
         for node in nodes:
             if node.poll() is None:
-                node.kill()
-                node.wait()
+                node.send_signal(signal.SIGTERM)  # forwarded to torchrun, which stops its ranks
+                try:
+                    node.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    node.kill()
+                    node.wait()
+    outputs = [log.read_text() for log in logs]
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert "loopback" in outputs[0][1]
+    assert "loopback" in outputs[0]
     lines = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
     assert lines[0][:5] == ["torchrun", "0", "2", "0", "2"]
     assert lines[1][:5] == ["torchrun", "1", "2", "1", "2"]

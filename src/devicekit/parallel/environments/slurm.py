@@ -72,11 +72,15 @@ class SlurmEnvironment(Environment):
 
 
 def port_for_job(job_id: str) -> int:
-    """A port in 15000-34999 derived from the job id, the same on every task of the job."""
+    """A port in 15000-29999 derived from the job id, the same on every task of the job.
+
+    It stays below Linux's ephemeral range (32768+): a rank retrying ``connect()`` to an
+    ephemeral port nobody listens on yet can be handed that very port and connect to itself.
+    """
     digits = re.sub(r"\D", "", job_id)
     if not digits:
         return 29500
-    return 15000 + int(digits) % 20000
+    return 15000 + int(digits) % 15000
 
 
 def tasks_per_node(spec: str) -> list[int]:
