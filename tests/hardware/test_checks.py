@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -191,6 +192,10 @@ def test_nccl(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "nccl", fake, raising=False)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True, raising=False)
+    for name in [k for k in os.environ if k.startswith("NCCL_")]:
+        monkeypatch.delenv(name)
+    # NVIDIA's images label their NCCL with NCCL_VERSION: not a setting (seen on an H100 machine)
+    monkeypatch.setenv("NCCL_VERSION", "2.28.3-1")
     assert check_nccl() == Check("nccl", "pass", "NCCL 2.21.5")
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     check = check_nccl()

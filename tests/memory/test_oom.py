@@ -94,6 +94,19 @@ def test_guard_explains_a_simulated_cuda_oom_and_frees_the_frames(simulate) -> N
     assert refs[0]() is None  # the failed frame's tensor is gone
 
 
+def test_frames_are_freed_while_the_reraised_error_is_still_alive(simulate) -> None:
+    """The memory must be free when the guard hands cached blocks back (empty_cache), not later
+    when the caller drops the exception: the explainer reads the failed frames' f_locals,
+    which before Python 3.13 caches a dict on each frame that frame.clear() leaves alone."""
+    simulate([h100()])
+    refs: list[weakref.ref[torch.Tensor]] = []
+    with pytest.raises(torch.OutOfMemoryError) as err, \
+            dk.oom_guard(file=io.StringIO(), usage=fake_usage()):
+        failing_forward(refs)
+    assert err.value.devicekit_diagnosis is not None  # the error (and its traceback) lives on
+    assert refs[0]() is None  # ...but the failed frame's tensor is already gone
+
+
 def test_other_processes_come_from_the_gpu_cuda_visible_devices_names(simulate, monkeypatch) -> None:
     from devicekit.hardware.visible import DeviceOrderWarning
     from devicekit.memory.oom_explain import explain

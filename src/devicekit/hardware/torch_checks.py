@@ -113,6 +113,11 @@ def format_nccl_version(value: Any) -> str:
     return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
 
 
+#: NCCL_* variables that change nothing in NCCL: NCCL_DEBUG only logs, and NVIDIA's container
+#: images set NCCL_VERSION as a label of the NCCL they ship (torch brings its own, often another)
+_NOT_SETTINGS = frozenset({"NCCL_DEBUG", "NCCL_VERSION"})
+
+
 def check_nccl() -> Check:
     """NCCL's version where torch has CUDA; NCCL_* variables that change its behaviour."""
     name = "nccl"
@@ -132,7 +137,7 @@ def check_nccl() -> Check:
         version = format_nccl_version(torch.cuda.nccl.version())
     except Exception as exc:
         return Check(name, "warn", f"NCCL is built in but its version cannot be read ({exc})")
-    tuned = sorted(k for k in os.environ if k.startswith("NCCL_") and k != "NCCL_DEBUG")
+    tuned = sorted(k for k in os.environ if k.startswith("NCCL_") and k not in _NOT_SETTINGS)
     message = f"NCCL {version}"
     if tuned:
         message += "; set: " + ", ".join(f"{k}={os.environ[k]}" for k in tuned)

@@ -106,9 +106,30 @@ def _diagnose(exc: BaseException, usage: list[DeviceMemory] | None, gpus: list[G
         del frames
 
 
+def _clear_frames(tb: types.TracebackType | None) -> None:
+    """``traceback.clear_frames``, plus the ``f_locals`` snapshot of each cleared frame.
+
+    Before Python 3.13, reading ``frame.f_locals`` (the explainer does, to name holders) caches
+    a dict on the frame that ``frame.clear()`` leaves alone, so the failed code's tensors stayed
+    alive until the exception itself was dropped: after ``empty_cache``, with their memory still
+    reserved (seen on an H100). Frames still running (the caller's) are left untouched.
+    """
+    while tb is not None:
+        frame = tb.tb_frame
+        try:
+            frame.clear()
+        except RuntimeError:  # still executing
+            pass
+        else:
+            snapshot = frame.f_locals
+            if type(snapshot) is dict and snapshot is not frame.f_globals:
+                snapshot.clear()
+        tb = tb.tb_next
+
+
 def _free_after(exc: BaseException) -> None:
     """Drop what the failed code's frames held and hand cached blocks back."""
-    traceback.clear_frames(exc.__traceback__)
+    _clear_frames(exc.__traceback__)
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
