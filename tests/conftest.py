@@ -43,6 +43,20 @@ def simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., P
     return write
 
 
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch in this process sees no CUDA device, also on a GPU machine.
+
+    Setting ``CUDA_VISIBLE_DEVICES=""`` hides nothing from a process whose CUDA is already
+    initialised (any earlier test may have done that), so tests whose premise is "a machine
+    without a GPU" patch torch's answers; subprocesses still get the variable.
+    """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` skip cleanly where torch sees no CUDA device."""
     try:

@@ -173,6 +173,7 @@ class Node:
 
 def test_reference_cycle_holding_tensors() -> None:
     was_enabled = gc.isenabled()
+    frozen = gc.get_freeze_count()  # not 0 where the program (or torch, on a GPU machine) froze
 
     def step() -> None:
         node = Node()  # LEAK-cycle
@@ -182,7 +183,7 @@ def test_reference_cycle_holding_tensors() -> None:
     leak = assert_leak(report, "Node.payload", "reference_cycle", "LEAK-cycle")
     assert leak.bytes_per_step == 256 * 4
     assert gc.isenabled() == was_enabled
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen  # a freeze it did not make is left as it was
 
 
 def test_growing_tensor_by_cat() -> None:

@@ -36,7 +36,7 @@ def test_report_prints_a_table_with_dashes_and_notes() -> None:
     assert " - " in text and "not applicable" in text
 
 
-def test_bad_device_is_one_line_error() -> None:
+def test_bad_device_is_one_line_error(no_cuda: None) -> None:
     with pytest.raises(dk.InvalidDeviceError, match="'cuda:3' asked but CUDA is not available"):
         dk.memory.usage("cuda:3")
     with pytest.raises(dk.InvalidDeviceError, match="not a device"):
@@ -103,7 +103,7 @@ def test_census_names_closure_cells_by_referrer() -> None:
     del holder
 
 
-def test_release_frees_storage_and_reports_it() -> None:
+def test_release_frees_storage_and_reports_it(no_cuda: None) -> None:
     model = nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 256)).sum().backward()
@@ -119,14 +119,14 @@ def test_release_frees_storage_and_reports_it() -> None:
         dk.release("model")
 
 
-def test_empty_cache_says_what_happened() -> None:
+def test_empty_cache_says_what_happened(no_cuda: None) -> None:
     result = dk.empty_cache()
     assert result.tensors_freed == 0 and result.returned_to_driver == {}
     assert result.rss_returned is not None
 
 
 def test_timeline_records_and_plots(tmp_path) -> None:
-    with dk.MemoryTimeline(count_tensors=True) as tl:
+    with dk.MemoryTimeline("cpu", count_tensors=True) as tl:  # default: CUDA where initialised
         kept = []
         for _ in range(4):
             kept.append(torch.ones(256, 1024))

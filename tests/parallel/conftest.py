@@ -34,7 +34,7 @@ RANK_VARIABLES = (
 
 
 @pytest.fixture(autouse=True)
-def no_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def no_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_cuda: None) -> None:
     """No launcher variables, no GPU (an empty simulation; CUDA hidden from torch too)."""
     for name in RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
