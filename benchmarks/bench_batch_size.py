@@ -126,6 +126,78 @@ def gpu_part() -> None:
           f"{acc} ({len(calls)} trials, {acc_seconds:.2f} s, {acc / found:.0%} of the limit)")
 
 
+def real_model_part() -> None:
+    """find_batch_size on a real training step: a 6-layer transformer encoder (d_model 1024,
+    sequence 256, Adam), GPU memory limited to 8 GiB. The true limit is checked afterwards: the
+    answer must fit and answer + 1 must not, each tried on a clean allocator."""
+    print()
+    if not torch.cuda.is_available():
+        print("real-model GPU part skipped: no CUDA device on this machine")
+        return
+    import gc
+    import time
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
+    model = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).cuda()
+    opt = torch.optim.Adam(model.parameters())
+
+    def trial(batch_size: int) -> int:
+        x = torch.randn(batch_size, 256, 1024, device="cuda:0")
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return batch_size
+
+    def fits(batch_size: int) -> bool:
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            trial(batch_size)
+            return True
+        except torch.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            return False
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(0.9, 8 * 2**30 / total), 0)
+    try:
+        trial(1)  # Adam's state exists before the search, as in a real run's second step
+        began = time.perf_counter()
+        found = dk.find_batch_size(trial, start=8)
+        dk_seconds = time.perf_counter() - began
+        exact = fits(int(found)) and not fits(int(found) + 1)
+        from accelerate.utils import find_executable_batch_size
+
+        calls: list[int] = []
+
+        @find_executable_batch_size(starting_batch_size=512)
+        def run(batch_size: int) -> int:
+            calls.append(batch_size)
+            return trial(batch_size)
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        began = time.perf_counter()
+        acc = run()
+        acc_seconds = time.perf_counter() - began
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    print(f"GPU ({torch.cuda.get_device_name(0)}, limited to 8 GiB), transformer encoder 6 x 1024, "
+          f"seq 256, Adam:")
+    print()
+    print("| method | answer | share of the true limit | trials | seconds |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| dk.find_batch_size(start=8) | {int(found)} | 100 % (exact: {found} fits, "
+          f"{int(found) + 1} does not: {'confirmed' if exact else 'NOT confirmed'}) | "
+          f"{len(found.trials)} | {dk_seconds:.2f} |")
+    print(f"| accelerate find_executable_batch_size(512) | {acc} | {acc / int(found):.0%} | "
+          f"{len(calls)} | {acc_seconds:.2f} |")
+
+
 if __name__ == "__main__":
     main()
     gpu_part()
+    real_model_part()

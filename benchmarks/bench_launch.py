@@ -79,14 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="processes (default: one per GPU, up to 8; 2 CPU processes without GPUs)")
     args = parser.parse_args(argv)
     try:
         import torch
 
-        gpu = torch.cuda.device_count() >= args.nprocs
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
-        gpu = False
+        gpus = 0
+    if args.nprocs is None:
+        args.nprocs = min(gpus, 8) or 2
+    gpu = gpus >= args.nprocs
     table = launchers(args.nprocs, gpu)
     if table["accelerate launch"] is None:
         print("accelerate launch: skipped (accelerate is not installed)")

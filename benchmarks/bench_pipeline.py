@@ -286,6 +286,70 @@ def part3() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
 
+def part4() -> None:
+    """GPU: two stages on one GPU (``["cuda:0", "cuda:0"]``) against the naive split, forward and
+    a training step, with the measured idle fraction. On one device the stages share its compute
+    units, so this measures the pipeline's own cost and whether the stage threads keep the GPU
+    fed, not a multi-GPU speed-up."""
+    print()
+    if not torch.cuda.is_available():
+        print("Part 4 (two stages on one GPU): skipped, no CUDA device")
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    devices = ["cuda:0", "cuda:0"]
+    batch = torch.randn(4096, 4096, device="cuda:0")
+
+    def model() -> nn.Sequential:
+        return mlp(width=4096, depth=8).cuda()
+
+    naive = dk.split(model(), devices, balance=[8, 8])
+    pipes = {c: dk.Pipeline(model(), devices, chunks=c, balance=[8, 8], checkpoint="never")
+             for c in (1, 2, 4, 8)}
+    with torch.no_grad():
+        want = naive(batch)
+        for pipe in pipes.values():
+            torch.testing.assert_close(pipe(batch), want, rtol=2e-3, atol=2e-3)
+
+    def synced(fn):
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    idles: dict[int, list[float]] = {c: [] for c in pipes}
+
+    def run_pipe(c: int) -> None:
+        pipes[c](batch)
+        torch.cuda.synchronize()
+        idles[c].append(pipes[c].last_run.idle_fraction)
+
+    methods = {0: synced(lambda: naive(batch)), **{c: (lambda c=c: run_pipe(c)) for c in pipes}}
+    with torch.no_grad():
+        times = interleaved(methods)
+    best = {k: min(v) for k, v in times.items()}
+    print(f"Part 4: {torch.cuda.get_device_name(0)}, 8 x Linear(4096) + ReLU, batch 4096, fp32 "
+          f"(tf32 {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}), two stages on cuda:0; "
+          f"best of {ROUNDS}")
+    print()
+    print("| method | forward ms | ratio vs naive split | idle measured (host clock) | idle predicted |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| naive split (dk.split) | {best[0] * 1e3:.2f} | 1.00 | - | - |")
+    for c in pipes:
+        print(f"| Pipeline chunks={c} | {best[c] * 1e3:.2f} | {best[0] / best[c]:.2f} | "
+              f"{statistics.median(idles[c]):.1%} | {bubble_fraction(c, 2):.1%} |")
+    train = interleaved({"naive": synced(lambda: naive(batch).sum().backward()),
+                         "pipe": synced(lambda: pipes[4](batch).sum().backward())})
+    tn, tp = min(train["naive"]), min(train["pipe"])
+    print()
+    print(f"training step (fwd+bwd): naive {tn * 1e3:.1f} ms, Pipeline chunks=4 {tp * 1e3:.1f} ms, "
+          f"ratio {tn / tp:.2f}")
+    print("(idle is measured on the host clock around each stage's calls; CUDA runs them "
+          "asynchronously, so on a GPU it says how long each stage thread waited for work, not how "
+          "busy the GPU was)")
+    for pipe in pipes.values():
+        pipe.close()
+
+
 if __name__ == "__main__":
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
           f"torch {torch.__version__}, CUDA GPUs: {torch.cuda.device_count() if torch.cuda.is_available() else 0}, "
@@ -295,3 +359,4 @@ if __name__ == "__main__":
     part1()
     part2()
     part3()
+    part4()

@@ -27,7 +27,6 @@ import gc
 import sys
 import threading
 import time
-import traceback
 import types
 from collections.abc import Callable
 from typing import IO, Any
