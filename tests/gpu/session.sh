@@ -29,6 +29,8 @@ if want facts; then
     python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0))"
     python3 -c "import pynvml; print('nvidia-ml-py', getattr(pynvml, '__version__', '?'))"
     nproc; free -g | head -2
+    echo "--- NVML cost per call (tests/gpu/nvml_costs.py)"
+    timeout 60 python3 tests/gpu/nvml_costs.py
   } >"$OUT/facts.log" 2>&1
 fi
 
@@ -53,9 +55,13 @@ if want cli; then
 fi
 
 if want tests; then
-  timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q --timeout 120 -p no:cacheprovider -m gpu tests/gpu \
+  timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q --timeout 120 -p no:cacheprovider -m gpu tests/gpu -rfEs \
     >"$OUT/pytest-gpu.log" 2>&1; echo "[exit $?]" >>"$OUT/pytest-gpu.log"
+  # serially the suite outran 250 s on the H100 machine (CUDA start-up in many processes);
+  # pytest-xdist with one file per worker ran it in 50 s
+  xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8 --dist loadfile)
   timeout "${ALL_TESTS_S:-300}" python3 -m pytest -q --timeout 120 -p no:cacheprovider --ignore tests/gpu \
+    "${xdist[@]}" --tb=short -rfE \
     >"$OUT/pytest-all.log" 2>&1; echo "[exit $?]" >>"$OUT/pytest-all.log"
 fi
 
