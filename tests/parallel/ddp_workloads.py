@@ -96,12 +96,41 @@ def checkpoint_round_trip(path: str) -> dict[str, Any]:
             "momentum_device": str(momentum.device)}
 
 
+def zero_checkpoint_round_trip(path: str) -> dict[str, Any]:
+    """ZeroRedundancyOptimizer: each rank holds a shard of Adam's state; the checkpoint must hold
+    all of it (consolidated on rank 0) and load back into a fresh ZeRO optimizer on every rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build() -> tuple[nn.Module, ZeroRedundancyOptimizer]:
+        torch.manual_seed(0)
+        model = dk.ddp(build_net())
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                              lr=0.01)
+
+    model, optimizer = build()
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 2)).backward()
+        optimizer.step()
+    dk.save_ddp_checkpoint(model, optimizer, path)
+    fresh, fresh_optimizer = build()
+    dk.load_ddp_checkpoint(fresh, fresh_optimizer, path)
+    def shard(zero: ZeroRedundancyOptimizer) -> list[torch.Tensor]:  # in this rank's parameter order
+        return [zero.optim.state[p]["exp_avg"] for group in zero.optim.param_groups
+                for p in group["params"] if p in zero.optim.state]
+
+    own, loaded = shard(optimizer), shard(fresh_optimizer)
+    return {"own_shard": own, "loaded_shard": loaded, "loaded_params": flat_params(fresh),
+            "saved_params": flat_params(model)}
+
+
 def all_scenarios(checkpoint_path: str | None) -> dict[str, Any]:
     """Every scenario in one process group: each DDP start-up imports torch._dynamo (seconds)."""
     results = {"train": train_steps(3), "join": uneven_batches_with_join(),
                "sampler": sampler_shards(12), "equivalence": equivalence_in_job()}
     if checkpoint_path is not None:
         results["checkpoint"] = checkpoint_round_trip(checkpoint_path)
+        results["zero"] = zero_checkpoint_round_trip(checkpoint_path + ".zero")
     return results
 
 

@@ -75,6 +75,24 @@ def test_ddp_checkpoint_rank0_writes_every_rank_loads(ranks: list[dict[str, Any]
     plain.load_state_dict(state["model"])                  # loads into an unwrapped model
 
 
+def test_ddp_checkpoint_consolidates_zero_redundancy_optimizer(
+        ranks: list[dict[str, Any]]) -> None:
+    """Each rank's ZeRO shard is saved (rank 0 consolidates) and comes back on load."""
+    pytest.importorskip("devicekit.placement.checkpoint")
+    path = str(ranks[0]["checkpoint_path"]) + ".zero"
+    state = torch.load(path, weights_only=True)
+    params = len(list(work.build_net().parameters()))
+    assert len(state["optimizer"]["state"]) == params  # every parameter's Adam state, not a shard
+    shards = [r["zero"] for r in ranks]
+    assert all(len(s["own_shard"]) >= 1 for s in shards)  # the state really was split
+    assert sum(len(s["own_shard"]) for s in shards) == params
+    for s in shards:
+        assert torch.equal(s["loaded_params"], s["saved_params"])
+        assert len(s["loaded_shard"]) == len(s["own_shard"])
+        for want, got in zip(s["own_shard"], s["loaded_shard"], strict=True):
+            torch.testing.assert_close(got, want)
+
+
 def test_ddp_without_process_group_returns_model_unwrapped() -> None:
     net = work.build_net()
     out = dk.ddp(net, device="cpu")

@@ -272,9 +272,25 @@ def save_ddp_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | Non
 
     state: dict[str, Any] = {"model": unwrap_model(model).state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        optimizer_state = _full_optimizer_state(optimizer)
+        if optimizer_state is not None:  # None: a ZeRO rank other than 0, which does not write
+            state["optimizer"] = optimizer_state
     state.update(extra)
     save_checkpoint(state, path)
+
+
+def _full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The whole optimizer's state dict; for ``ZeroRedundancyOptimizer`` (each rank holds a shard)
+    every rank joins the consolidation onto rank 0, which alone gets the state (it alone writes).
+    Its ``load_state_dict`` takes that full state on every rank and keeps each rank's shard."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    import torch.distributed as dist
+
+    optimizer.consolidate_state_dict(to=0)  # a collective: every rank must call it
+    return optimizer.state_dict() if dist.get_rank() == 0 else None
 
 
 def load_ddp_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
