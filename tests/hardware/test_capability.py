@@ -112,3 +112,14 @@ def test_cli_select_order_fastest(simulate: Callable[..., Path]) -> None:
                             capture_output=True, text=True, timeout=30)
     scores = {g["name"]: g["capability"] for g in json.loads(status.stdout)["gpus"]}
     assert scores["Tesla T4"] == {"score": 65.0, "source": "table"}
+
+
+def test_doctor_warns_on_mixed_models_and_says_what_devicekit_does(
+        simulate: Callable[..., Path]) -> None:
+    from devicekit.hardware.checks import check_gpus, take_inventory
+
+    simulate(mixed_machine())
+    check = check_gpus(take_inventory())
+    assert check.status == "warn" and "mixed GPU models" in check.message
+    assert "GPU 1 989 > GPU 2 312 > GPU 0 65" in check.message
+    assert "rank 0 the strongest" in check.message and "weights='auto'" in check.message
