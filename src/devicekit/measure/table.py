@@ -18,7 +18,7 @@ __all__ = ["render_report", "format_value"]
 
 def format_value(fig: Figure) -> str:
     if fig.unit == "TFLOP/s" and fig.value < 1:
-        return f"{fig.value * 1000:.1f} GFLOP/s"
+        return f"{fig.value * 1000:.3g} GFLOP/s"
     if fig.key == "crossover":
         return f"n = {int(fig.value)}" if fig.detail.get("found") else "never (CPU faster)"
     if fig.unit == "s":
