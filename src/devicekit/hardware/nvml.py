@@ -224,7 +224,10 @@ class NVMLBackend:
             fn = getattr(nvml, fn_name, None)
             if fn is None:
                 return None
-            return self._optional(fn, handle, *args, what=f"read GPU {index} {fn_name[13:]}")
+            try:  # best effort: a speed fact the driver will not give never breaks status
+                return fn(handle, *args)
+            except nvml.NVMLError:
+                return None
 
         clock_sm = getattr(nvml, "NVML_CLOCK_SM", 1)
         clock_mem = getattr(nvml, "NVML_CLOCK_MEM", 2)
