@@ -21,10 +21,11 @@ def h100(used: str = "0GiB", util: int = 0, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Every test starts without GPU variables and with its own lease directory."""
+    """Every test starts without GPU variables, with its own lease directory and bench cache."""
     for name in GPU_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path_factory.mktemp("leases")))
+    monkeypatch.setenv("DEVICEKIT_BENCH_CACHE", str(tmp_path_factory.mktemp("bench-cache")))
     from devicekit.hardware import inventory
 
     inventory._cache.clear()

@@ -115,6 +115,9 @@ _EXPORTS: dict[str, str] = {
     "Plan": "devicekit.parallel.partition:Plan",
     "pipeline_stage": "devicekit.parallel.stages:pipeline_stage",
     "DeferredBatchNorm": "devicekit.parallel.batchnorm:DeferredBatchNorm",
+    # device speed
+    "bench": "devicekit.measure.run:bench",
+    "BenchReport": "devicekit.measure.report:BenchReport",
 }
 
 __all__ = sorted(_EXPORTS)

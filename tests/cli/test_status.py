@@ -24,7 +24,8 @@ ALICE = {"pid": 4242, "user": "alice", "memory": "2GiB", "command": "python trai
 GPU_KEYS = {"index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used", "memory_free",
             "utilization", "memory_bandwidth_utilization", "temperature", "power_draw",
             "power_limit", "compute_capability", "compute_mode", "mig_enabled", "mig_devices",
-            "processes", "backend", "leases"}
+            "processes", "backend", "leases", "architecture", "sm_count",
+            "max_sm_clock", "memory_bandwidth", "capability"}
 LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share"}
 
 

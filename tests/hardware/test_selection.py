@@ -192,7 +192,7 @@ def test_wait_display_text_and_silence(four, capsys):
     ({"count": "two"}, "count 'two'"),
     ({"min_free_memory": "10XB"}, "'10XB'"),
     ({"max_utilization": "lots"}, "'lots'"),
-    ({"order": "fastest"}, "order 'fastest'"),
+    ({"order": "fastest!"}, "order 'fastest!'"),
     ({"wait": -1}, "wait -1"),
     ({"fallback": "gpu"}, "fallback 'gpu'"),
     ({"exclude": [-1]}, "exclude entry -1"),

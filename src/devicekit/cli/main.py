@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "select": ("devicekit.cli.select", "Pick free GPUs; print the value for CUDA_VISIBLE_DEVICES."),
     "run": ("devicekit.cli.run", "Lease GPUs and run a command (or the bundled example) on them."),
     "doctor": ("devicekit.cli.doctor", "Check driver, torch, NCCL, variables and leases."),
+    "bench": ("devicekit.cli.bench", "Measure each device (matmul, bandwidths, latency) vs its peak."),
 }
 
 

@@ -135,6 +135,18 @@ def check_gpus(inv: Inventory) -> Check:
                      "with 'nvidia-smi mig' or disable MIG")
     if notes:
         return Check("gpus", "warn", f"{summary}; " + "; ".join(notes))
+    if len(names) > 1:
+        from devicekit.hardware.capability import capabilities
+
+        ranked = sorted(zip(inv.gpus, capabilities(inv.gpus), strict=True),
+                        key=lambda pair: -pair[1].score)
+        order = " > ".join(f"GPU {g.index} {c.score:.0f}" for g, c in ranked)
+        return Check("gpus", "warn", (
+            f"{summary}; mixed GPU models (16-bit TFLOP/s: {order}): an equal split of a batch "
+            "makes the fast GPUs wait for the slowest; devicekit run/dk.launch give rank 0 the "
+            "strongest GPU, 'select --order fastest' picks the strongest, and "
+            "BalancedDataParallel(weights='auto') splits batches by speed; "
+            "'devicekit bench' measures them"))
     mig = [str(g.index) for g in inv.gpus if g.mig_enabled]
     if mig:
         summary += f"; GPU {','.join(mig)} in MIG mode (address instances by MIG UUID)"

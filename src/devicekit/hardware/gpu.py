@@ -77,6 +77,13 @@ class GPU:
     mig_enabled: bool = False
     mig_devices: tuple[MigDevice, ...] = ()
     processes: tuple[GPUProcess, ...] = ()
+    #: speed facts (NVML, the simulation file, or the known-model table by name); None: unknown
+    architecture: str | None = None
+    sm_count: int | None = None
+    #: boost clock of the SMs, MHz
+    max_sm_clock: int | None = None
+    #: peak memory bandwidth, GB/s (1e9 bytes/s)
+    memory_bandwidth: float | None = None
     #: where the numbers came from: "nvml" or "simulated"
     backend: str = "nvml"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from devicekit.errors import BackendError, InvalidValueError, NVMLUnavailableError
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
+from devicekit.hardware.known_gpus import lookup
 
 __all__ = ["NVMLBackend", "NVMLNotFound", "DEFAULT_UTILIZATION_WINDOW"]
 
@@ -211,8 +212,38 @@ class NVMLBackend:
             cc = facts["compute_capability"]
             if cc is not None:
                 facts["compute_capability"] = (int(cc[0]), int(cc[1]))
+            facts.update(self._speed_facts(index, handle, facts["compute_capability"]))
             self._static[index] = facts
         return facts
+
+    def _speed_facts(self, index: int, handle: Any, cc: tuple[int, int] | None) -> dict[str, Any]:
+        """SM count, boost clock and peak memory bandwidth; None where the driver will not say."""
+        nvml = self._nvml
+
+        def read(fn_name: str, *args: Any) -> Any:
+            fn = getattr(nvml, fn_name, None)
+            if fn is None:
+                return None
+            try:  # best effort: a speed fact the driver will not give never breaks status
+                return fn(handle, *args)
+            except nvml.NVMLError:
+                return None
+
+        clock_sm = getattr(nvml, "NVML_CLOCK_SM", 1)
+        clock_mem = getattr(nvml, "NVML_CLOCK_MEM", 2)
+        sm_clock = read("nvmlDeviceGetMaxClockInfo", clock_sm)
+        mem_clock = read("nvmlDeviceGetMaxClockInfo", clock_mem)
+        bus_width = read("nvmlDeviceGetMemoryBusWidth")
+        cores = read("nvmlDeviceGetNumGpuCores")
+        # CUDA cores per SM: 64 on Volta, Turing and A100; 128 on GA10x, Ada, Hopper and later
+        per_sm = 128 if cc is not None and (cc >= (8, 6)) else 64
+        return {
+            "max_sm_clock": int(sm_clock) if sm_clock else None,
+            # double data rate: bytes per clock = bus width / 8, twice per clock
+            "memory_bandwidth": (int(bus_width) / 8 * int(mem_clock) * 1e6 * 2 / 1e9
+                                 if bus_width and mem_clock else None),
+            "sm_count": int(cores) // per_sm if cores and cc else None,
+        }
 
     def _gpu(self, index: int, handle: Any) -> GPU:
         nvml = self._nvml
@@ -245,6 +276,10 @@ class NVMLBackend:
             mig_enabled=mig_enabled,
             mig_devices=mig_devices,
             processes=self._processes(handle, label),
+            architecture=known.architecture if (known := lookup(static["name"])) else None,
+            sm_count=static.get("sm_count"),
+            max_sm_clock=static.get("max_sm_clock"),
+            memory_bandwidth=static.get("memory_bandwidth"),
             backend="nvml",
         )
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ORDERS", "FORMATS", "Selection", "Candidate", "select_gpus"]
 
-ORDERS = ("free-memory", "utilization", "index", "random")
+ORDERS = ("free-memory", "utilization", "fastest", "index", "random")
 FORMATS = ("uuid", "index")
 
 
@@ -229,6 +229,12 @@ def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
         return sorted(eligible, key=lambda c: (-c.available, c.gpu.index))
     if order == "utilization":
         return sorted(eligible, key=lambda c: (c.gpu.utilization or 0.0, -c.available, c.gpu.index))
+    if order == "fastest":  # strongest first (capability score), then most free memory
+        from devicekit.hardware.capability import capabilities
+
+        scores = {c.gpu.uuid: s.score for c, s in zip(eligible, capabilities([c.gpu for c in eligible]),
+                                                      strict=True)}
+        return sorted(eligible, key=lambda c: (-scores[c.gpu.uuid], -c.available, c.gpu.index))
     if order == "random":
         import random  # imported here: it costs the CLI's cold start a few ms
 
@@ -319,8 +325,9 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     ``min_free_memory``: a size (``"20GiB"``) each GPU must have free; with ``share=True`` it is
     also the memory budget this lease claims, and several share leases may sit on one GPU while
     their budgets fit. ``max_utilization``: percent busy at most. ``exclude``: indices or UUIDs.
-    ``order``: ``"free-memory"`` (most first), ``"utilization"`` (idlest first), ``"index"`` or
-    ``"random"``. ``account_as_free``: users whose processes' GPU memory counts as free (your own
+    ``order``: ``"free-memory"`` (most first), ``"utilization"`` (idlest first), ``"fastest"``
+    (strongest first by :mod:`~devicekit.hardware.capability` score, then most free; the chosen
+    GPUs come back in that order, so ``cuda:0`` is the strongest), ``"index"`` or ``"random"``. ``account_as_free``: users whose processes' GPU memory counts as free (your own
     idle notebook). ``wait``: seconds to poll (every ``poll_interval`` s, with a progress line on
     a terminal when ``progress`` is None) for enough GPUs. ``lease=False``: choose without
     reserving (still skips leased GPUs). ``fallback="cpu"``: return a CPU selection instead of

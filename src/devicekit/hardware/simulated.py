@@ -11,7 +11,10 @@ Point ``DEVICEKIT_SIMULATE`` (or ``devicekit --simulate PATH``) at a file such a
 
 Optional per-GPU keys: ``uuid``, ``pci_bus_id``, ``temperature``, ``power_draw``, ``power_limit``,
 ``compute_capability`` (``"9.0"`` or ``[9, 0]``), ``compute_mode``, ``memory_bandwidth_utilization``
-and ``mig`` (``true``, or a list of ``{"name", "memory_total", "memory_used", "uuid"}``). Unknown
+``mig`` (``true``, or a list of ``{"name", "memory_total", "memory_used", "uuid"}``) and the speed
+facts ``architecture``, ``sm_count``, ``max_sm_clock`` (MHz) and ``memory_bandwidth`` (GB/s); speed
+facts and ``compute_capability`` left out are filled from the known-model table by name
+(:mod:`devicekit.hardware.known_gpus`), so ``{"name": "Tesla T4", ...}`` is a T4. Unknown
 keys are errors, so a typo never passes silently. The file is re-read on every snapshot, so a
 test or a rehearsal can change it while a job waits.
 
@@ -32,6 +35,7 @@ from typing import Any
 
 from devicekit.errors import InvalidSizeError, SimulationFileError
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
+from devicekit.hardware.known_gpus import lookup
 from devicekit.units import parse_size
 
 __all__ = ["SimulatedBackend", "load_simulation"]
@@ -39,7 +43,7 @@ __all__ = ["SimulatedBackend", "load_simulation"]
 _GPU_KEYS = {
     "name", "memory_total", "memory_used", "utilization", "processes", "uuid", "pci_bus_id",
     "temperature", "power_draw", "power_limit", "compute_capability", "compute_mode", "mig",
-    "memory_bandwidth_utilization",
+    "memory_bandwidth_utilization", "architecture", "sm_count", "max_sm_clock", "memory_bandwidth",
 }
 _PROC_KEYS = {"pid", "user", "memory", "command"}
 _MIG_KEYS = {"name", "memory_total", "memory_used", "uuid"}
@@ -153,6 +157,14 @@ def _parse_gpu(path: Path, index: int, entry: Any) -> GPU:
     bw = _number(path, f"{where}.memory_bandwidth_utilization",
                  entry.get("memory_bandwidth_utilization"), low=0, high=100)
     mig_enabled, mig_devices = _parse_mig(path, f"{where}.mig", entry.get("mig"), uuid)
+    known = lookup(name)
+    cc = _parse_cc(path, f"{where}.compute_capability", entry.get("compute_capability"))
+    architecture = entry.get("architecture", known.architecture if known else None)
+    if architecture is not None and not isinstance(architecture, str):
+        raise _fail(path, f"{where}.architecture", f"{architecture!r} is not a string")
+    sm_count = _number(path, f"{where}.sm_count", entry.get("sm_count"), low=1)
+    clock = _number(path, f"{where}.max_sm_clock", entry.get("max_sm_clock"), low=1)
+    bandwidth = _number(path, f"{where}.memory_bandwidth", entry.get("memory_bandwidth"), low=0)
     return GPU(
         index=index,
         uuid=uuid,
@@ -166,12 +178,16 @@ def _parse_gpu(path: Path, index: int, entry: Any) -> GPU:
         temperature=int(temp) if temp is not None else None,
         power_draw=_number(path, f"{where}.power_draw", entry.get("power_draw"), low=0),
         power_limit=_number(path, f"{where}.power_limit", entry.get("power_limit"), low=0),
-        compute_capability=_parse_cc(path, f"{where}.compute_capability",
-                                     entry.get("compute_capability")),
+        compute_capability=cc if cc is not None else (known.compute_capability if known else None),
         compute_mode=_parse_mode(path, f"{where}.compute_mode", entry.get("compute_mode")),
         mig_enabled=mig_enabled,
         mig_devices=mig_devices,
         processes=processes,
+        architecture=architecture,
+        sm_count=int(sm_count) if sm_count is not None else (known.sm_count if known else None),
+        max_sm_clock=int(clock) if clock is not None else (known.max_sm_clock if known else None),
+        memory_bandwidth=bandwidth if bandwidth is not None else (
+            known.memory_bandwidth_gbs if known else None),
         backend="simulated",
     )
 

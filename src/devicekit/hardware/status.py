@@ -56,11 +56,13 @@ class StatusReport:
     def to_dict(self) -> dict[str, Any]:
         """The ``devicekit status --json`` document (schema :data:`SCHEMA_VERSION`)."""
         from devicekit import __version__
+        from devicekit.hardware.capability import capabilities
 
         by_gpu, orphans = leases_by_gpu(self.gpus, self.leases)
         gpus = []
-        for gpu in self.gpus:
+        for gpu, cap in zip(self.gpus, capabilities(self.gpus), strict=True):
             entry = gpu.to_dict()
+            entry["capability"] = {"score": round(cap.score, 1), "source": cap.source}
             for mig, mig_entry in zip(gpu.mig_devices, entry["mig_devices"], strict=True):
                 mig_entry["memory_free"] = mig.memory_free
             entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])]

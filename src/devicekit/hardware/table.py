@@ -24,6 +24,7 @@ from devicekit.units import format_size
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
+    from devicekit.hardware.capability import Capability
     from devicekit.hardware.gpu import GPU
     from devicekit.hardware.leases import LeaseRecord
     from devicekit.hardware.status import StatusReport
@@ -141,19 +142,21 @@ def _lease_cell(leases: list[LeaseRecord]) -> str:
     return f"{len(leases)} shared: {','.join(users)}{mem}"
 
 
-_GPU_HEADERS = ("GPU", "Name", "Util", "Mem-BW", "Memory used", "Temp", "Power", "Users",
-                "Lease")
-_RIGHT = {0, 2, 3, 4, 5, 6}
+_GPU_HEADERS = ("GPU", "Name", "Util", "Mem-BW", "Memory used", "Temp", "Power", "TFLOP/s",
+                "Users", "Lease")
+_RIGHT = {0, 2, 3, 4, 5, 6, 7}
 # column -> narrowest width, in the order they give way (the GPU name last); with an ellipsis
-_FLEXIBLE = {8: 5, 7: 5, 1: 10}
+_FLEXIBLE = {9: 5, 8: 5, 1: 10}
 
 
 def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
+    from devicekit.hardware.capability import capabilities
     from devicekit.hardware.status import leases_by_gpu
 
     grouped, _ = leases_by_gpu(report.gpus, report.leases)
+    scores = capabilities(report.gpus)
     rows = []
-    for gpu in report.gpus:
+    for gpu, cap in zip(report.gpus, scores, strict=True):
         memory, memory_style = _memory_cell(gpu)
         name = gpu.name + (f" [MIG x{len(gpu.mig_devices)}]" if gpu.mig_enabled else "")
         rows.append([
@@ -165,10 +168,20 @@ def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
             (memory, memory_style),
             ("n/a" if gpu.temperature is None else f"{gpu.temperature}C", ""),
             (_power_cell(gpu), ""),
+            _speed_cell(cap),
             (_users(gpu), ""),
             (_lease_cell(grouped.get(gpu.uuid, [])), ""),
         ])
     return rows
+
+
+def _speed_cell(cap: Capability) -> tuple[str, str]:
+    """16-bit matmul TFLOP/s: measured (bench, bold), datasheet (table) or estimated (``~``)."""
+    if cap.source == "unknown":
+        return "n/a", "dim"
+    if cap.source == "bench":
+        return f"{cap.score:.0f}", "bold"
+    return (f"{cap.score:.0f}", "") if cap.source == "table" else (f"~{cap.score:.0f}", "dim")
 
 
 def fit_widths(natural: list[int], minimum: dict[int, int], budget: int) -> list[int]:

@@ -214,6 +214,13 @@ def positive_count(value: Any, name: str = "procs") -> int:
 
 def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,
             command: str | None) -> Any:
+    """Lease the GPUs, then order them strongest first: rank 0 (and ``cuda:0``) gets the
+    strongest, so on a mixed machine the rank that logs, saves and evaluates is not the slowest."""
+    return _strongest_first(_lease(count, per_proc, min_free, wait, command))
+
+
+def _lease(count: int | None, per_proc: int, min_free: Any, wait: float | None,
+           command: str | None) -> Any:
     from devicekit.hardware.selection import select_gpus
 
     kwargs: dict[str, Any] = {"min_free_memory": min_free, "wait": wait, "lease": True,
@@ -227,6 +234,13 @@ def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,
         return selection
     selection.release()
     return select_gpus(max(usable, per_proc), **kwargs)
+
+
+def _strongest_first(selection: Any) -> Any:
+    from devicekit.hardware.capability import strongest_first
+
+    selection.gpus = strongest_first(selection.gpus)
+    return selection
 
 
 def _free(gpu: Any) -> str:

@@ -21,6 +21,13 @@ Usage::
 
     loss, outputs = model(x, y, return_outputs=True)   # outputs stay on their own GPUs
 
+On GPUs of different speed pass ``weights="auto"`` (the capability score: the cached
+``devicekit bench`` figures, else datasheet peaks) or ``weights=[3, 2, 1]``: each GPU gets a
+share of the batch in proportion, so the fast one does not wait for the slow one, and the loss
+(hence the gradients) still equals the single-device step::
+
+    model = dk.BalancedDataParallel(net, nn.CrossEntropyLoss(), weights="auto")
+
 Honest advice: DistributedDataParallel (:func:`devicekit.ddp` with ``devicekit run --gpus N``)
 is faster and is what PyTorch recommends; this class is for quick single-process experiments.
 With one GPU the model and loss simply run there; with no GPU (``device_ids`` empty, the
@@ -38,6 +45,7 @@ from torch.nn.parallel import gather, parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from devicekit.errors import InvalidDeviceError, InvalidValueError
+from devicekit.parallel.weighted_split import chunk, resolve_weights, split_sizes
 
 __all__ = ["BalancedDataParallel", "combine_losses", "weighted_mean"]
 
@@ -140,7 +148,7 @@ class BalancedDataParallel(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  device_ids: Sequence[int | str | torch.device] | None = None,
                  output_device: int | str | torch.device | None = None, dim: int = 0,
-                 reduction: str = "auto") -> None:
+                 reduction: str = "auto", weights: Sequence[float] | str | None = None) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
             raise InvalidValueError(
@@ -160,6 +168,8 @@ class BalancedDataParallel(nn.Module):
         if len(set(self.device_ids)) != len(self.device_ids):
             raise InvalidValueError(f"device_ids={list(device_ids or [])!r} repeats a device")
         self.dim = dim
+        #: each device's share of a batch (None: equal shares, as DataParallel)
+        self.weights = resolve_weights(weights, self.device_ids) if self.device_ids else None
         self.module = model  # state_dict keys read "module.<name>", as with DataParallel
         self.loss_fn = loss_fn
         # The replicated unit shares model and loss with self but is not registered as a child,
@@ -183,11 +193,14 @@ class BalancedDataParallel(nn.Module):
         if not self.device_ids:
             loss, _, outputs = self._wrapped(inputs, targets, **kwargs)
             return (loss, [outputs]) if return_outputs else loss
-        scattered, scattered_kwargs = scatter_kwargs((inputs, targets), kwargs, self.device_ids,
-                                                     dim=self.dim)
+        if self.weights is not None:
+            scattered, scattered_kwargs, used = self._weighted_scatter(inputs, targets, kwargs)
+        else:
+            scattered, scattered_kwargs = scatter_kwargs((inputs, targets), kwargs,
+                                                         self.device_ids, dim=self.dim)
+            used = self.device_ids[: len(scattered)]
         if not scattered:
             raise InvalidValueError("BalancedDataParallel got an empty batch; pass inputs and targets")
-        used = self.device_ids[: len(scattered)]
         if len(used) == 1:
             results = [self._wrapped(*scattered[0], **scattered_kwargs[0])]
         else:
@@ -202,6 +215,23 @@ class BalancedDataParallel(nn.Module):
             return loss, [outputs for _, _, outputs in results]
         return loss
 
+    def _weighted_scatter(self, inputs: Any, targets: Any, kwargs: dict[str, Any]
+                          ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[int]]:
+        """Cut the batch by :attr:`weights` and send each piece to its device (autograd kept)."""
+        from devicekit.placement.transfer import to_device
+
+        total = _batch_size(inputs, self.dim)
+        if total == 0:
+            return [], [], []
+        sizes = split_sizes(total, self.weights or [])
+        keep = [i for i, size in enumerate(sizes) if size > 0]
+        sizes = [sizes[i] for i in keep]
+        pieces = chunk((inputs, targets, kwargs), sizes, self.dim)
+        devices = [torch.device("cuda", self.device_ids[i]) for i in keep]
+        moved = [to_device(p, d) for p, d in zip(pieces, devices, strict=True)]
+        return ([(p[0], p[1]) for p in moved], [p[2] for p in moved],
+                [self.device_ids[i] for i in keep])
+
     def extra_repr(self) -> str:
         return (f"device_ids={self.device_ids}, output_device={self.output_device}, dim={self.dim}, "
-                f"reduction={self.reduction!r}")
+                f"reduction={self.reduction!r}, weights={self.weights}")
