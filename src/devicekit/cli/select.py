@@ -49,7 +49,7 @@ def _exclude(values: tuple[str, ...]) -> list[str]:
 @click.command("select", help=_HELP, short_help="Pick free GPUs; print CUDA_VISIBLE_DEVICES.")
 @click.option("-n", "--count", default="1", show_default=True, metavar="N",
               help="How many GPUs (or 'all': every eligible one).")
-@click.option("--min-free", metavar="SIZE", help="Free memory each GPU needs, e.g. 20GiB.")
+@click.option("--min-free", metavar="SIZE", help="Free memory each GPU needs, with a unit, e.g. 20GiB (GB, G also mean GiB).")
 @click.option("--max-util", metavar="PCT", help="Highest utilization accepted, in percent.")
 @click.option("--exclude", "exclude", multiple=True, metavar="ID",
               help="GPU index or UUID to skip; repeat or comma-separate.")
