@@ -233,3 +233,19 @@ def test_mpi_placement_that_variables_cannot_explain_is_refused() -> None:
     with pytest.raises(DistributedError, match="install mpi4py"):
         read({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "6",
               "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+
+
+def test_unresolvable_master_address_is_one_line_before_any_rendezvous(monkeypatch) -> None:
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "no-such-node.invalid", "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(DistributedError, match="'no-such-node.invalid' does not resolve") as info:
+        dist.init(timeout=5)
+    assert "\n" not in str(info.value)
+
+
+def test_ip_addresses_and_known_names_resolve() -> None:
+    from devicekit.parallel.environments.base import check_resolvable
+
+    for ok in ("10.1.2.3", "[::1]", "localhost"):
+        check_resolvable(ok)

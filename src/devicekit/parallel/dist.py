@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
 from devicekit.parallel.environments import DistEnv, detect_environment
-from devicekit.parallel.environments.base import is_loopback
+from devicekit.parallel.environments.base import check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
 
 if TYPE_CHECKING:
@@ -288,6 +288,8 @@ def _check_master_address(facts: DistEnv) -> None:
             f"master address {facts.master_addr!r} is this machine's loopback but the job spans"
             f" {facts.nnodes} nodes ({facts.source}); set MASTER_ADDR to rank 0's host name or IP"
         )
+    if facts.world_size > 1:
+        check_resolvable(facts.master_addr, f"master address (MASTER_ADDR, from {facts.source})")
 
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[-_]rank(?:=(.*))?$")

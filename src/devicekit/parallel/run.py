@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from devicekit.errors import CommandNotFoundError, InvalidValueError
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
-from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
+from devicekit.parallel.environments.base import DEFAULT_PORT, check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
@@ -231,6 +231,8 @@ def _check_nodes(request: RunRequest) -> None:
         )
     if request.master_port is not None and not 0 < request.master_port < 65536:
         raise InvalidValueError(f"--master-port {request.master_port} is not a TCP port (1-65535)")
+    if request.master_addr is not None:  # before any lease: a typo must not wait for a timeout
+        check_resolvable(request.master_addr, "--master-addr")
 
 
 def _command(command: list[str]) -> list[str]:
