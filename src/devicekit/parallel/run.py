@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from devicekit.errors import CommandNotFoundError, InvalidValueError
+from devicekit.errors import CommandNotFoundError, InvalidValueError, LaunchError
+from devicekit.hardware.checks import take_inventory
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, check_resolvable, is_loopback
@@ -94,6 +95,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         command=shlex.join(request.command) if request.command else "devicekit run (example)",
     )
     try:
+        _check_torch_can_use(allocation)
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
@@ -211,6 +213,27 @@ def single_process_variables(port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         LAUNCH_MARKER: "1", OWN_DEVICES_ENV: "1",
     }
+
+
+def _check_torch_can_use(allocation: Allocation) -> None:
+    """Refuse to lease real GPUs for a torch that cannot use them (CPU build, driver too old).
+
+    Otherwise the job would hold the GPUs while ``dk.dist.device()`` trains on the CPU.
+    Simulated GPUs are exempt: there, the CPU is what the job is expected to use.
+    """
+    if not allocation.on_gpu:
+        return
+    inventory = take_inventory()
+    if inventory.backend != "nvml":
+        return
+    from devicekit.hardware.torch_checks import check_torch_build
+
+    check = check_torch_build(inventory)
+    if check.status == "fail":
+        raise LaunchError(
+            f"{len(allocation.uuids)} GPU(s) leased but torch cannot use them: {check.message};"
+            " nothing started (run 'devicekit doctor' for details)"
+        )
 
 
 def _check_nodes(request: RunRequest) -> None:
