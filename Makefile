@@ -1,27 +1,34 @@
 # Two commands do all the set-up on a fresh machine:
-#   make run    creates .venv, installs devicekit, runs `devicekit run` on the bundled example
-#   make test   creates .venv, installs devicekit with its test tools, runs the tests
+#   make run    creates .venv, installs devicekit alone, runs `devicekit run` on the bundled example
+#   make test   creates .venv, installs devicekit and its test tools, runs the tests
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: run test lint bench clean
 
+# the package alone: all that `make run` needs
 $(BIN)/devicekit: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e .
+	@touch $@
+
+# the test tools (pytest, hypothesis, ruff) on top, for `make test` and `make lint`
+$(VENV)/.dev: $(BIN)/devicekit
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	@touch $@
 
 run: $(BIN)/devicekit
 	$(BIN)/devicekit run
+	@echo "devicekit is installed in $(VENV): run $(BIN)/devicekit, or 'source $(BIN)/activate' first"
 
-test: $(BIN)/devicekit
+test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q
 
-lint: $(BIN)/devicekit
+lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 
-bench: $(BIN)/devicekit
+bench: $(VENV)/.dev
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,bench]'
 	$(BIN)/python benchmarks/run_all.py
 

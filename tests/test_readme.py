@@ -37,3 +37,18 @@ def test_setup_commands_are_make_targets():
     makefile = (README.parent / "Makefile").read_text()
     assert re.search(r"^run:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
     assert "make test" in (README.parent / ".ci" / "run").read_text()
+
+
+def test_readme_says_how_to_reach_the_installed_command():
+    text = README.read_text()
+    assert ".venv/bin/devicekit" in text and "source .venv/bin/activate" in text
+
+
+def test_make_run_installs_only_the_package_and_make_test_the_dev_tools():
+    makefile = (README.parent / "Makefile").read_text()
+    rules = dict(re.findall(r"^(\S+):[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.M))
+    package = rules["$(BIN)/devicekit"]
+    assert "-e ." in package and "[dev]" not in package
+    assert re.search(r"^run: \$\(BIN\)/devicekit$", makefile, re.M)
+    assert re.search(r"^test: \$\(VENV\)/\.dev$", makefile, re.M)
+    assert "'.[dev]'" in rules["$(VENV)/.dev"]

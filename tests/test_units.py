@@ -8,15 +8,17 @@ from devicekit.units import format_size, parse_percent, parse_size
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("20GiB", 20 * 2**30), ("20G", 20 * 2**30), ("512MB", 512 * 10**6), ("1.5 KiB", 1536),
-     ("0", 0), ("100", 100), ("2tb", 2 * 10**12), (4096, 4096)],
+    [("20GiB", 20 * 2**30), ("20G", 20 * 2**30), ("20GB", 20 * 2**30), ("20gb", 20 * 2**30),
+     ("512MB", 512 * 2**20), ("512MiB", 512 * 2**20), ("1.5 KiB", 1536), ("1.5KB", 1536),
+     ("0", 0), ("100B", 100), ("2tb", 2 * 2**40), (4096, 4096), (float(2**30), 2**30)],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["10XB", "", "GiB", "-5GiB", "1..2G", -1, True, None, float("nan"),
-                                 "1e400GiB", "1e309"])
+                                 "1e400GiB", "1e309", "20", "0.5", "100",
+                                 0.5, 1.5])
 def test_parse_size_rejects_with_value_named(bad):
     with pytest.raises(InvalidSizeError) as info:
         parse_size(bad, name="--min-free")
@@ -45,3 +47,23 @@ def test_parse_percent():
     assert parse_percent(7) == 7.0
     with pytest.raises(InvalidSizeError, match="'150'"):
         parse_percent("150")
+
+
+@pytest.mark.parametrize("bare", ["20", "0.5", " 40 "])
+def test_a_bare_number_string_is_refused_naming_the_missing_unit(bare):
+    # `--min-free 20` used to mean 20 bytes: every GPU qualified, silently
+    with pytest.raises(InvalidSizeError, match="has no unit.*e.g. '20GiB'"):
+        parse_size(bare, name="--min-free")
+
+
+def test_numbers_in_a_hand_written_file_need_a_unit():
+    assert parse_size("80GiB", bare=False) == 80 * 2**30
+    with pytest.raises(InvalidSizeError, match="memory_total 80 has no unit"):
+        parse_size(80, name="memory_total", bare=False)
+
+
+def test_the_rule_is_documented_once_in_docs_sizes():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sizes.md").read_text()
+    assert "GB" in doc and "GiB" in doc and "no unit" in doc

@@ -49,6 +49,10 @@ class DeviceKitError(Exception):
     #: Exit code the CLI uses for this error (1: bad input).
     exit_code: int = 1
 
+    def cli_message(self) -> str:
+        """The message in the command line's words (flags, not keyword arguments)."""
+        return str(self)
+
 
 class InvalidValueError(DeviceKitError, ValueError):
     """A value given by the user is malformed or out of range."""
@@ -83,14 +87,23 @@ class NVMLUnavailableError(BackendError):
 class NoDeviceAvailable(DeviceKitError, RuntimeError):
     """Fewer GPUs satisfy the request than were asked for.
 
-    ``reasons`` holds one line per GPU that was not chosen.
+    ``reasons`` holds one line per GPU that was not chosen. ``waiting_helps`` is False when no
+    amount of waiting could satisfy the request (too few GPUs, too little memory on any).
+    ``hint`` / ``cli_hint``: what to do, in Python's and in the command line's words.
     """
 
     exit_code = 3
 
-    def __init__(self, message: str, reasons: list[str] | tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, reasons: list[str] | tuple[str, ...] = (), *,
+                 waiting_helps: bool = True, hint: str = "", cli_hint: str = "") -> None:
+        super().__init__(f"{message}; {hint}" if hint else message)
+        self.summary = message
         self.reasons = list(reasons)
+        self.waiting_helps = waiting_helps
+        self.cli_hint = cli_hint or hint
+
+    def cli_message(self) -> str:
+        return f"{self.summary}; {self.cli_hint}" if self.cli_hint else self.summary
 
 
 class LeaseError(DeviceKitError, RuntimeError):

@@ -1,16 +1,23 @@
 """Byte sizes: parse what people type, print what people read.
 
-Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (KB, MB, GB, TB) are powers
-of 1000, as on a drive label. A bare number is bytes. ``"10G"`` and ``"10g"`` mean GiB, the way
-nvidia-smi and most people mean it.
+The rule (docs/sizes.md says it once for users): every unit is binary, as nvidia-smi and
+PyTorch's out-of-memory message print them. ``K``, ``KB`` and ``KiB`` all mean 1024 bytes; ``M``,
+``MB``, ``MiB`` mean 1024**2; likewise ``G``/``GB``/``GiB`` and ``T``/``TB``/``TiB``, in any case.
+A GPU user who writes "20GB" means the 20 GiB nvidia-smi shows, never 10**9 bytes. ``B`` is bytes.
+
+A string must carry its unit: ``"20"`` is refused (20 bytes? 20 GiB?), except ``"0"``. In Python
+an ``int`` is an exact byte count, as ``torch.cuda.mem_get_info`` and ``dk.gpus()`` give it; a
+float must be a whole number of bytes (``0.5`` is refused). Simulation files are written by
+hand, so their sizes must be strings with a unit (``parse_size(..., bare=False)``).
 
 Usage::
 
     from devicekit.units import parse_size, format_size
 
     parse_size("20GiB")      # 21474836480
-    parse_size("512MB")      # 512000000
-    parse_size(1024)         # 1024
+    parse_size("20GB")       # 21474836480 (the same: GB is read as GiB)
+    parse_size("512M")       # 536870912
+    parse_size(1024)         # 1024 (an int is bytes)
     format_size(1536 * 2**20)  # '1.5 GiB'
 """
 
@@ -21,50 +28,55 @@ import re
 
 from devicekit.errors import InvalidSizeError
 
-__all__ = ["parse_size", "format_size", "parse_percent"]
+__all__ = ["parse_size", "format_size", "parse_percent", "SIZE_EXAMPLE"]
+
+#: what every size error suggests
+SIZE_EXAMPLE = "write it with a unit, e.g. '20GiB' or '512MiB'"
 
 _UNITS: dict[str, int] = {
-    "": 1,
     "b": 1,
-    "k": 1024,
-    "kib": 1024,
-    "kb": 1000,
-    "m": 1024**2,
-    "mib": 1024**2,
-    "mb": 1000**2,
-    "g": 1024**3,
-    "gib": 1024**3,
-    "gb": 1000**3,
-    "t": 1024**4,
-    "tib": 1024**4,
-    "tb": 1000**4,
+    "k": 1024, "kb": 1024, "kib": 1024,
+    "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1024**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1024**4, "tib": 1024**4,
 }
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: str | int | float, *, name: str = "size") -> int:
-    """Return ``value`` in bytes; raise :class:`InvalidSizeError` naming it if malformed."""
-    if isinstance(value, bool):
-        raise InvalidSizeError(f"{name} {value!r} is not a size; write e.g. '20GiB' or '512MB'")
+def parse_size(value: str | int | float, *, name: str = "size", bare: bool = True) -> int:
+    """Return ``value`` in bytes; raise :class:`InvalidSizeError` naming it if malformed.
+
+    ``bare=False`` also refuses Python numbers (for sizes a person typed into a file).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidSizeError(f"{name} {value!r} is not a size; {SIZE_EXAMPLE}")
     if isinstance(value, (int, float)):
+        if not bare:
+            raise InvalidSizeError(f"{name} {value!r} has no unit; {SIZE_EXAMPLE}")
         if not math.isfinite(value) or value < 0:
             raise InvalidSizeError(f"{name} {value!r} must be a non-negative number of bytes")
+        if value != int(value):
+            raise InvalidSizeError(
+                f"{name} {value!r} is not a whole number of bytes; {SIZE_EXAMPLE}")
         return int(value)
-    if not isinstance(value, str):
-        raise InvalidSizeError(f"{name} {value!r} is not a size; write e.g. '20GiB' or '512MB'")
     match = _SIZE_RE.match(value)
     if not match:
-        raise InvalidSizeError(f"{name} {value!r} is not a size; write e.g. '20GiB' or '512MB'")
+        raise InvalidSizeError(f"{name} {value!r} is not a size; {SIZE_EXAMPLE}")
     number, unit = match.groups()
+    if not unit:
+        if float(number) == 0:
+            return 0
+        raise InvalidSizeError(f"{name} {value!r} has no unit; {SIZE_EXAMPLE}")
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise InvalidSizeError(
-            f"{name} {value!r} has unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+            f"{name} {value!r} has unknown unit {unit!r}; use B, KiB, MiB, GiB or TiB"
+            " (K/KB, M/MB, G/GB, T/TB mean the same)"
         )
     amount = float(number) * factor
     if not math.isfinite(amount):  # "1e400GiB": no machine has that much, and int() would crash
-        raise InvalidSizeError(f"{name} {value!r} is too large to be a size; write e.g. '20GiB'")
+        raise InvalidSizeError(f"{name} {value!r} is too large to be a size; {SIZE_EXAMPLE}")
     return int(amount)
 
 

@@ -66,7 +66,11 @@ def test_leased_gpus_skipped_and_select_holds_none(three, capsys):
     (["--exclude", "7"], 1, "exclude entry '7'"),
     (["--wait", "-1"], 1, "--wait"),
     (["--share"], 1, "--share needs --min-free"),
-    (["-n", "5"], 3, "need 5 GPU(s), 3 eligible"),
+    (["-n", "5"], 3, "need 5 GPU(s) but this machine has only 3; waiting cannot help"),
+    (["-n", "5", "--wait", "600"], 3, "this machine has only 3; waiting cannot help"),
+    (["--min-free", "20"], 1, "--min-free '20' has no unit"),
+    (["--min-free", "0.5"], 1, "--min-free '0.5' has no unit"),
+    (["-n", "3", "--max-util", "50"], 3, "add --wait SECONDS to queue"),
 ])
 def test_errors_one_line_and_exit_codes(three, capsys, args, code, needle):
     got, out, err = run_cli(capsys, *args)
@@ -169,3 +173,46 @@ def test_no_command_prints_the_help_not_an_error_line(capsys):
     assert exit_info.value.code == 1 and out == ""
     assert err.startswith("Usage: devicekit [OPTIONS] COMMAND") and "select" in err
     assert "devicekit: Usage" not in err and "(see 'devicekit --help')" not in err
+
+
+def _documented_forms() -> list[str]:
+    """Every shell line in the docs, README and `select --help` that substitutes `select`."""
+    from devicekit.cli.select import _HELP
+
+    root = Path(__file__).resolve().parents[2]
+    texts = [_HELP, (root / "README.md").read_text()]
+    texts += [p.read_text() for p in sorted((root / "docs").glob("*.md"))]
+    return [line.strip().split("  #")[0].strip() for text in texts for line in text.splitlines()
+            if "$(devicekit select" in line and "python train.py" in line
+            and not line.strip().startswith("`") and "would" not in line]
+
+
+def test_every_documented_select_idiom_stops_the_job_when_select_fails():
+    forms = _documented_forms()
+    assert len(forms) >= 4
+    assert all("&&" in form for form in forms), forms
+
+
+@pytest.mark.parametrize("used,ran", [("70GiB", False), ("10GiB", True)])
+def test_the_shell_idiom_never_starts_the_job_on_no_gpu(simulate, tmp_path, used, ran):
+    # `CUDA_VISIBLE_DEVICES=$(devicekit select ...) python train.py` used to start train.py
+    # with every GPU hidden when too few GPUs qualified (exit 0, training on the CPU)
+    simulate([h100(used=used), h100(used=used)])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, target in (("devicekit", f'"{sys.executable}" -m devicekit'),
+                         ("python", f'"{sys.executable}"')):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "train.py").write_text(
+        "import os\nopen('ran', 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    (form,) = {f for f in _documented_forms() if "-n 2 --min-free 20GiB" in f}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": SRC}
+    done = subprocess.run(["bash", "-c", form], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (tmp_path / "ran").exists() == ran, done.stderr
+    if ran:
+        assert done.returncode == 0
+        assert (tmp_path / "ran").read_text() == ",".join(g.uuid for g in dk.gpus())
+    else:
+        assert done.returncode == 3 and "need 2 GPU(s)" in done.stderr

@@ -1,4 +1,5 @@
 import json
+import re
 import threading
 import time
 from itertools import pairwise
@@ -137,7 +138,7 @@ def test_no_gpus_at_all(simulate):
 def test_fallback_cpu_says_why(four):
     sel = select_gpus(1, min_free_memory="100GiB", fallback="cpu")
     assert sel.devices == [torch.device("cpu")] and sel.lease is None
-    assert "GPU 1: 80 GiB free < 100 GiB asked" in sel.rejected
+    assert "GPU 1: 80 GiB total < 100 GiB asked" in sel.rejected
 
 
 def test_mig_and_compute_modes_rejected(simulate):
@@ -167,9 +168,51 @@ def test_wait_until_a_gpu_frees(simulate, tmp_path):
 
 def test_wait_times_out(four):
     start = time.monotonic()
-    with pytest.raises(NoDeviceAvailable, match="after waiting 0.2 s"):
-        select_gpus(5, wait=0.2, poll_interval=0.02, progress=True)
+    with Lease.acquire([g.uuid for g in four]), \
+            pytest.raises(NoDeviceAvailable, match="after waiting 0.2 s") as info:
+        select_gpus(1, wait=0.2, poll_interval=0.02, progress=True)
     assert time.monotonic() - start < 5
+    assert info.value.waiting_helps and "leased by" in str(info.value)
+
+
+@pytest.mark.parametrize("ask,needle", [
+    (dict(count=5), "need 5 GPU(s) but this machine has only 4; waiting cannot help"),
+    (dict(count=1, min_free_memory="100GiB"),
+     "only 0 of the 4 GPU(s) here could ever qualify: GPU 0: 80 GiB total < 100 GiB asked"),
+    (dict(count=2, exclude=[0, 1, 2]), "GPU 2: excluded; waiting cannot help"),
+])
+def test_waiting_for_what_can_never_come_fails_at_once(four, ask, needle):
+    # select_gpus(5, wait=600) on 4 GPUs used to sit out the full 600 s in silence
+    start = time.monotonic()
+    with pytest.raises(NoDeviceAvailable, match=re.escape(needle)) as info:
+        select_gpus(wait=600, poll_interval=0.05, **ask)
+    assert time.monotonic() - start < 2 and not info.value.waiting_helps
+    assert "wait" not in info.value.cli_message().split("waiting cannot help")[1]
+
+
+def test_waiting_without_any_gpu_fails_at_once(simulate):
+    simulate([])
+    start = time.monotonic()
+    with pytest.raises(NoDeviceAvailable, match="no GPUs found.*waiting cannot help"):
+        select_gpus(2, wait=600)
+    assert time.monotonic() - start < 2
+
+
+def test_waiting_still_queues_behind_busy_gpus_that_free_up(four):
+    lease = Lease.acquire([g.uuid for g in four])
+    threading.Timer(0.3, lease.release).start()
+    start = time.monotonic()
+    with select_gpus(4, wait=30, poll_interval=0.05) as sel:
+        assert len(sel.gpus) == 4
+    assert 0.25 < time.monotonic() - start < 10
+
+
+def test_shortfall_hint_speaks_the_interface_language(four):
+    with Lease.acquire([four[1].uuid]), pytest.raises(NoDeviceAvailable) as info:
+        select_gpus(4)
+    err = info.value
+    assert "wait=SECONDS" in str(err) and "--wait" not in str(err)
+    assert "--wait SECONDS" in err.cli_message() and "wait=" not in err.cli_message()
 
 
 def test_wait_display_text_and_silence(four, capsys):

@@ -103,3 +103,14 @@ def test_bad_model_and_loss_are_named() -> None:
         dk.BalancedDataParallel("net", nn.MSELoss())  # type: ignore[arg-type]
     with pytest.raises(dk.InvalidValueError, match="not callable"):
         dk.BalancedDataParallel(_net(), 3)  # type: ignore[arg-type]
+
+
+def test_device_ids_without_any_cuda_device_say_why(monkeypatch) -> None:
+    # was "pick an index below 0"
+    import devicekit as dk
+    from devicekit.errors import InvalidDeviceError
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(InvalidDeviceError, match="sees no CUDA device .torch .* CPU-only build") as info:
+        dk.BalancedDataParallel(torch.nn.Linear(2, 2), torch.nn.MSELoss(), device_ids=[0, 1])
+    assert "below 0" not in str(info.value) and "device_ids=None" in str(info.value)

@@ -212,3 +212,45 @@ def test_nccl_asked_on_cpu(group: None) -> None:
 def test_bad_timeout() -> None:
     with pytest.raises(DistributedError, match="-1"):
         dist.init(timeout=-1)
+
+
+def test_a_process_given_gpus_warns_loudly_when_torch_has_no_cuda(monkeypatch) -> None:
+    # devicekit run --gpus all with a CPU-only torch: GPUs leased, training quietly on the CPU
+    monkeypatch.setattr(dist, "_warned", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.delenv("DEVICEKIT_SIMULATE")  # real GPUs: the CPU is not what was meant
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5d9b3c1e")
+    with pytest.warns(dist.CPUFallbackWarning, match="CPU-only build; install a CUDA build"):
+        assert dist.device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "_warned", [])
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.warns(dist.CPUFallbackWarning, match="built for CUDA 12.4.*driver too old"):
+        dist.device()
+
+
+def test_no_warning_where_no_gpu_was_given(monkeypatch, recwarn) -> None:
+    monkeypatch.setattr(dist, "_warned", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for visible in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert dist.device() == torch.device("cpu")
+    assert not [w for w in recwarn if issubclass(w.category, dist.CPUFallbackWarning)]
+
+
+def test_run_refuses_to_lease_real_gpus_for_a_cpu_only_torch(simulate, monkeypatch) -> None:
+    import devicekit as dk
+    from devicekit.errors import LaunchError
+    from devicekit.hardware.checks import Inventory
+    from devicekit.hardware.leases import read_leases
+    from devicekit.parallel import run as run_module
+    from tests.conftest import h100
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    simulate([h100(), h100()])
+    real = Inventory("nvml", tuple(dk.gpus()), "550.54", "12.4")
+    monkeypatch.setattr(run_module, "take_inventory", lambda: real)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(LaunchError, match="2 GPU.s. leased but torch cannot use them: .*CPU-only"):
+        run_module.plan_run(run_module.RunRequest(gpus="all", command=["python", "-c", "pass"]))
+    assert read_leases() == []  # the leases went back at once

@@ -126,3 +126,126 @@ def test_bad_variables_are_one_line_errors(env: dict[str, str], needle: str) -> 
     with pytest.raises(DistributedError) as info:
         read(env)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# -- ported from Lightning's environment tests (tests_fabric/plugins/environments): the same
+# -- variable sets, read through devicekit's detect_environment
+
+
+def test_lightning_kubeflow_variables_are_one_process_per_pod() -> None:
+    # Lightning's test_kubeflow.py::test_attributes_from_environment_variables
+    facts = read({"KUBERNETES_PORT": "tcp://127.0.0.1:443", "MASTER_ADDR": "1.2.3.4",
+                  "MASTER_PORT": "500", "WORLD_SIZE": "20", "RANK": "1"})
+    assert facts.source == "kubeflow"
+    assert (facts.master_addr, facts.master_port, facts.world_size, facts.rank) == (
+        "1.2.3.4", 500, 20, 1)
+    # was local_rank=1 of 20 on node 0; Lightning (and the pod) say local 0 of a node of its own
+    assert (facts.local_rank, facts.local_world_size, facts.node_rank, facts.nnodes) == (0, 1, 1, 20)
+
+
+def test_rank_and_world_size_alone_mean_one_process_per_node() -> None:
+    facts = read({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "head", "MASTER_PORT": "29400"})
+    assert (facts.local_rank, facts.local_world_size, facts.node_rank, facts.nnodes) == (0, 1, 3, 4)
+
+
+def test_kubeflow_rank_gets_its_pods_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dk.dist.device() used to refuse: "local rank 1 has no GPU of its own"
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    facts = read({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "MASTER_ADDR": "job-master-0",
+                  "MASTER_PORT": "23456", "WORLD_SIZE": "20", "RANK": "1"})
+    assert dist.device(facts) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("env,expected", [
+    # Lightning's test_torchelastic.py::test_attributes_from_environment_variables
+    ({"MASTER_ADDR": "1.2.3.4", "MASTER_PORT": "500", "LOCAL_WORLD_SIZE": "2",
+      "WORLD_SIZE": "20", "RANK": "1", "LOCAL_RANK": "2", "GROUP_RANK": "3",
+      "TORCHELASTIC_RUN_ID": "1"}, None),
+    ({"MASTER_ADDR": "1.2.3.4", "MASTER_PORT": "500", "LOCAL_WORLD_SIZE": "4",
+      "WORLD_SIZE": "20", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "3",
+      "TORCHELASTIC_RUN_ID": "1"}, ("torchrun", "1.2.3.4", 500, 20, 1, 1, 3)),
+])
+def test_lightning_torchelastic_variables(env, expected) -> None:
+    if expected is None:  # local rank 2 of a node of 2: Lightning reads it, devicekit refuses
+        with pytest.raises(DistributedError, match="local rank 2 .* outside the 2 processes"):
+            read(env)
+        return
+    facts = read(env)
+    assert (facts.source, facts.master_addr, facts.master_port, facts.world_size, facts.rank,
+            facts.local_rank, facts.node_rank) == expected
+
+
+def test_lightning_slurm_variables() -> None:
+    # Lightning's test_slurm.py::test_attributes_from_environment_variables
+    env = {"SLURM_NODELIST": "1.1.1.1, 1.1.1.2", "SLURM_JOB_ID": "0001234", "SLURM_NTASKS": "20",
+           "SLURM_NTASKS_PER_NODE": "10", "SLURM_LOCALID": "2", "SLURM_PROCID": "1",
+           "SLURM_NODEID": "3", "SLURM_JOB_NAME": "JOB"}
+    facts = read(env)
+    assert facts.source == "slurm"
+    assert (facts.world_size, facts.rank, facts.local_rank, facts.node_rank) == (20, 1, 2, 3)
+    assert facts.local_world_size == 10
+
+
+@pytest.mark.parametrize("hosts,node_ranks", [
+    (["host1", "host2"], [0, 1]),  # Lightning's test_mpi.py::test_init_local_comm
+    (["b", "a", "b", "a"], [1, 0, 1, 0]),  # mpirun --map-by node
+])
+def test_mpi_node_ranks_come_from_host_names(monkeypatch, hosts, node_ranks) -> None:
+    import sys
+    from unittest import mock
+
+    from devicekit.parallel.environments import mpi
+
+    fake = mock.MagicMock()
+    fake.COMM_WORLD.allgather.return_value = hosts
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+    mpi.gather_hostnames.cache_clear()
+    try:
+        got = []
+        for rank in range(len(hosts)):
+            mpi.gather_hostnames.cache_clear()
+            local = sum(h == hosts[rank] for h in hosts[:rank])
+            facts = read({"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(len(hosts)),
+                          "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+                          "OMPI_COMM_WORLD_LOCAL_SIZE": str(hosts.count(hosts[rank]))})
+            got.append(facts.node_rank)
+            assert facts.nnodes == len(set(hosts))
+    finally:
+        mpi.gather_hostnames.cache_clear()
+    assert got == node_ranks
+
+
+def test_mpi_map_by_node_without_mpi4py_reads_the_placement() -> None:
+    # mpirun -np 4 --map-by node over 2 nodes: ranks 0,2 on node 0 and 1,3 on node 1
+    def node(rank: int, local: int) -> int:
+        return read({"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "4",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+                     "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}).node_rank
+
+    assert [node(0, 0), node(1, 0), node(2, 1), node(3, 1)] == [0, 1, 0, 1]
+    assert [node(0, 0), node(1, 1), node(2, 0), node(3, 1)] == [0, 0, 1, 1]  # --map-by slot
+
+
+def test_mpi_placement_that_variables_cannot_explain_is_refused() -> None:
+    with pytest.raises(DistributedError, match="install mpi4py"):
+        read({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "6",
+              "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "3"})
+
+
+def test_unresolvable_master_address_is_one_line_before_any_rendezvous(monkeypatch) -> None:
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "no-such-node.invalid", "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(DistributedError, match="'no-such-node.invalid' does not resolve") as info:
+        dist.init(timeout=5)
+    assert "\n" not in str(info.value)
+
+
+def test_ip_addresses_and_known_names_resolve() -> None:
+    from devicekit.parallel.environments.base import check_resolvable
+
+    for ok in ("10.1.2.3", "[::1]", "localhost"):
+        check_resolvable(ok)

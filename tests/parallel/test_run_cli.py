@@ -72,12 +72,17 @@ def test_missing_command_is_one_line_and_exits_127() -> None:
         (["--nnodes", "2", "--node-rank", "5", "--master-addr", "h"], "--node-rank 5"),
         (["--gpus", "many"], "'many'"),
         (["--min-free", "10XB"], "'10XB'"),
+        (["--min-free", "20"], "--min-free '20' has no unit"),
+        # torchrun printed 'gai error -2' every few seconds until its rendezvous timeout
+        (["--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-node.invalid"],
+         "--master-addr 'no-such-node.invalid' does not resolve"),
     ],
 )
 def test_bad_flags_are_one_line(args: list[str], needle: str) -> None:
-    done = run_cli(*args, "--", sys.executable, "-c", "pass")
+    done = run_cli(*args, "--", sys.executable, "-c", "pass", timeout=30)
     assert done.returncode != 0
     assert needle in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_sigint_stops_the_child(tmp_path: Path, no_leftover_children: None) -> None:

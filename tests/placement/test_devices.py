@@ -83,3 +83,16 @@ def test_invalid_device_error_is_a_devicekit_value_error() -> None:
         dk.as_device("gpu")
     with pytest.raises(dk.DeviceKitError):
         dk.as_device("gpu")
+
+
+def test_cuda_on_a_cpu_build_blames_the_build_not_the_variable(monkeypatch) -> None:
+    import torch
+
+    import devicekit as dk
+    from devicekit.errors import InvalidDeviceError
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(InvalidDeviceError, match="CPU-only build; install a CUDA build") as info:
+        dk.as_device("cuda:1")
+    assert "CUDA_VISIBLE_DEVICES" not in str(info.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -218,3 +219,56 @@ def test_packed_sequence_and_counter() -> None:
     out = dk.to_device({"seq": packed, "counts": Counter(a=2)}, "meta")
     assert type(out["seq"]) is type(packed) and out["seq"].data.device.type == "meta"
     assert type(out["counts"]) is Counter and out["counts"]["a"] == 2
+
+
+# -- ported from Lightning's tests_fabric/utilities/test_apply_func.py (move_data_to_device)
+
+
+@pytest.mark.parametrize("should_return", [False, True])
+def test_wrongly_implemented_transferable_data_type(should_return: bool) -> None:
+    # Lightning's test of the same name: a .to() that works in place and forgets `return self`
+    class TensorObject:
+        def __init__(self, tensor: torch.Tensor, should_return: bool = True) -> None:
+            self.tensor = tensor
+            self.should_return = should_return
+
+        def to(self, device: Any) -> Any:
+            self.tensor = self.tensor.to(device)
+            if self.should_return:
+                return self
+            return None
+
+    obj = TensorObject(torch.tensor(0.1), should_return)
+    assert dk.to_device(obj, torch.device("cpu")) is obj
+    batch = dk.to_device({"x": obj, "y": [obj]}, "meta")  # was {"x": None, "y": [None]}
+    assert batch["x"] is obj and batch["y"][0] is obj and obj.tensor.device.type == "meta"
+    other = TensorObject(torch.tensor(0.1), should_return)
+    assert dk.to_device([other], "cpu", non_blocking=True)[0] is other
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    x: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+@dataclasses.dataclass
+class PlainScaled:
+    x: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+@pytest.mark.parametrize("cls", [Scaled, PlainScaled])
+def test_cached_property_is_not_left_on_the_old_device(cls: type) -> None:
+    obj = cls(torch.ones(3))
+    assert obj.doubled.device.type == "cpu"  # computed and cached on the CPU
+    moved = dk.to_device(obj, "meta")
+    assert moved.x.device.type == "meta"
+    assert moved.doubled.device.type == "meta"  # was the stale CPU tensor
+    assert obj.doubled.device.type == "cpu"  # the original keeps its own cache

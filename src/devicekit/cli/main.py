@@ -10,7 +10,7 @@ Exit codes (all commands): 0 success; 1 bad input; 2 NVML or driver failure; 3 t
 Usage::
 
     devicekit status --json
-    CUDA_VISIBLE_DEVICES=$(devicekit select -n 2 --min-free 20GiB) python train.py
+    GPUS=$(devicekit select -n 2 --min-free 20GiB) && CUDA_VISIBLE_DEVICES=$GPUS python train.py
     devicekit --simulate cluster.json status
 """
 
@@ -113,7 +113,7 @@ def _main(argv: list[str] | None) -> None:
         click.echo(f"devicekit: {message}{hint}", err=True)
         sys.exit(1)
     except DeviceKitError as exc:
-        click.echo(f"devicekit: {exc}", err=True)
+        click.echo(f"devicekit: {exc.cli_message()}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("devicekit: interrupted", err=True)

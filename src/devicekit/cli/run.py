@@ -28,7 +28,7 @@ __all__ = ["command"]
 @click.option("--gpus-per-proc", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs each process drives (model parallel inside data parallel).")
 @click.option("--min-free", "min_free", metavar="SIZE", default=None,
-              help="Only GPUs with at least this much free memory, e.g. 20GiB.")
+              help="Only GPUs with at least this much free memory, with a unit, e.g. 20GiB.")
 @click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS", default=None,
               help="Queue behind busy GPUs for up to this long (with progress).")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,

@@ -6,7 +6,7 @@ GPUs a moment later. ``devicekit run`` and ``dk.select_gpus`` hold leases.
 
 Usage::
 
-    CUDA_VISIBLE_DEVICES=$(devicekit select -n 2 --min-free 20GiB) python train.py
+    GPUS=$(devicekit select -n 2 --min-free 20GiB) && CUDA_VISIBLE_DEVICES=$GPUS python train.py
 """
 
 from __future__ import annotations
@@ -23,15 +23,19 @@ __all__ = ["command"]
 _HELP = """Pick free GPUs and print the value for CUDA_VISIBLE_DEVICES.
 
 \b
-    CUDA_VISIBLE_DEVICES=$(devicekit select -n 2 --min-free 20GiB) python train.py
+    GPUS=$(devicekit select -n 2 --min-free 20GiB) && CUDA_VISIBLE_DEVICES=$GPUS python train.py
 
 Only the value is printed on stdout (GPU UUIDs, comma-separated); why the other GPUs were not
 chosen, and the wait progress, go to stderr. GPUs leased by devicekit run / dk.select_gpus are
 skipped.
 
+Keep the `&&`: when too few GPUs qualify, nothing is printed and the exit code is 3, so the job
+never starts. `CUDA_VISIBLE_DEVICES=$(devicekit select) python train.py` would start it anyway,
+with every GPU hidden (most scripts then train on the CPU without a word).
+
 This command exits as soon as it prints, so it cannot hold a lease: a job started a moment
-later may pick the same GPUs. To hold them, use `devicekit run -- COMMAND` or
-`dk.select_gpus(...)` in Python.
+later may pick the same GPUs. `devicekit run -- python train.py` both stops when too few GPUs
+qualify and holds the lease until the job exits; `dk.select_gpus(...)` does so in Python.
 
 With --format index it prints NVML (nvidia-smi) indices, which are PCI bus order: run the job
 with CUDA_DEVICE_ORDER=PCI_BUS_ID, or CUDA's default FASTEST_FIRST order may map them to other
@@ -49,7 +53,7 @@ def _exclude(values: tuple[str, ...]) -> list[str]:
 @click.command("select", help=_HELP, short_help="Pick free GPUs; print CUDA_VISIBLE_DEVICES.")
 @click.option("-n", "--count", default="1", show_default=True, metavar="N",
               help="How many GPUs (or 'all': every eligible one).")
-@click.option("--min-free", metavar="SIZE", help="Free memory each GPU needs, e.g. 20GiB.")
+@click.option("--min-free", metavar="SIZE", help="Free memory each GPU needs, with a unit, e.g. 20GiB (GB, G also mean GiB).")
 @click.option("--max-util", metavar="PCT", help="Highest utilization accepted, in percent.")
 @click.option("--exclude", "exclude", multiple=True, metavar="ID",
               help="GPU index or UUID to skip; repeat or comma-separate.")

@@ -114,10 +114,17 @@ class Candidate:
     gpu: GPU
     available: int
     reasons: tuple[str, ...]
+    #: reasons no amount of waiting removes (hidden, excluded, MIG, too small); a subset
+    lasting: tuple[str, ...] = ()
 
     @property
     def eligible(self) -> bool:
         return not self.reasons
+
+    @property
+    def possible(self) -> bool:
+        """Whether this GPU could qualify once its users leave (nothing lasting stands in the way)."""
+        return not self.lasting
 
     def line(self) -> str:
         return f"GPU {self.gpu.index}: {'; '.join(self.reasons)}"
@@ -185,19 +192,27 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
     out = []
     for gpu in gpus:
         reasons: list[str] = []
+        lasting: list[str] = []
         on_gpu = [r for r in leases if r.gpu_uuid == gpu.uuid]
         available = gpu.memory_free + sum(
             p.memory or 0 for p in gpu.processes if p.user in request.account_as_free)
         available = min(available, gpu.memory_total)
         if gpu.uuid not in visible:
-            reasons.append(f"hidden by {visible_note}")
+            lasting.append(f"hidden by {visible_note}")
         if gpu.uuid in excluded:
-            reasons.append("excluded")
+            lasting.append("excluded")
         if gpu.mig_enabled:
-            reasons.append("in MIG mode (use a MIG- UUID in CUDA_VISIBLE_DEVICES)")
+            lasting.append("in MIG mode (use a MIG- UUID in CUDA_VISIBLE_DEVICES)")
         if gpu.compute_mode == "prohibited":
-            reasons.append("compute mode is prohibited")
-        elif gpu.compute_mode == "exclusive_process" and gpu.processes:
+            lasting.append("compute mode is prohibited")
+        if request.min_free is not None and gpu.memory_total < request.min_free:
+            lasting.append(f"{format_size(gpu.memory_total)} total < "
+                           f"{format_size(request.min_free)} asked")
+        reasons.extend(lasting)
+        if lasting:  # the passing reasons would only add noise
+            out.append(Candidate(gpu, available, tuple(reasons), tuple(lasting)))
+            continue
+        if gpu.compute_mode == "exclusive_process" and gpu.processes:
             reasons.append(f"compute mode is exclusive_process and pid {gpu.processes[0].pid} uses it")
         exclusive = [r for r in on_gpu if not r.share]
         if exclusive:
@@ -352,7 +367,7 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
             if selection is not None:
                 return selection
             now = time.monotonic()
-            if wait is None or now >= deadline:
+            if wait is None or now >= deadline or not _waiting_helps(candidates, request):
                 break
             if display is None:
                 display = WaitDisplay(request.count, wait, enabled=progress)
@@ -361,18 +376,47 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     finally:
         if display is not None:
             display.close()
-    reasons = [empty] if empty else [c.line() for c in candidates if not c.eligible]
-    eligible = sum(c.eligible for c in candidates)
-    asked = "at least 1" if request.count is None else str(request.count)
-    waited = f" after waiting {wait:g} s" if wait else ""
-    message = f"need {asked} GPU(s), {eligible} eligible{waited}: {'; '.join(reasons)}"
+    error = _shortfall(request, candidates, empty, wait)
     if fallback == "cpu":
-        return Selection([], [*reasons, f"falling back to cpu: {message}"], None, cpu_fallback=True)
-    hint = ""
-    if candidates:
-        hint = "; wait longer or relax the limits" if wait else \
-            "; wait for GPUs with wait=SECONDS (--wait) or relax the limits"
-    raise NoDeviceAvailable(message + hint, reasons)
+        return Selection([], [*error.reasons, f"falling back to cpu: {error.summary}"], None,
+                         cpu_fallback=True)
+    raise error
+
+
+def _waiting_helps(candidates: Sequence[Candidate], request: _Request) -> bool:
+    """Whether enough GPUs could qualify once busy ones free up (else waiting is pointless)."""
+    return sum(c.possible for c in candidates) >= (request.count or 1)
+
+
+def _shortfall(request: _Request, candidates: Sequence[Candidate], empty: str,
+               wait: float | None) -> NoDeviceAvailable:
+    """The error for too few GPUs: why, whether waiting could help, and what to do."""
+    asked = "at least 1" if request.count is None else str(request.count)
+    eligible = sum(c.eligible for c in candidates)
+    if not candidates:
+        reason = empty or "no GPUs found"
+        return NoDeviceAvailable(f"need {asked} GPU(s) but {reason}; waiting cannot help",
+                                 [reason], waiting_helps=False)
+    if not _waiting_helps(candidates, request):
+        possible = sum(c.possible for c in candidates)
+        lasting = [f"GPU {c.gpu.index}: {'; '.join(c.lasting)}" for c in candidates if c.lasting]
+        if lasting:
+            message = (f"need {asked} GPU(s) but only {possible} of the {len(candidates)} GPU(s)"
+                       f" here could ever qualify: {'; '.join(lasting)}; waiting cannot help")
+        else:
+            message = (f"need {asked} GPU(s) but this machine has only {len(candidates)};"
+                       " waiting cannot help")
+        return NoDeviceAvailable(message, lasting, waiting_helps=False,
+                                 hint="ask for fewer GPUs or relax the limits")
+    reasons = [c.line() for c in candidates if not c.eligible]
+    waited = f" after waiting {wait:g} s" if wait else ""
+    message = f"need {asked} GPU(s), {eligible} eligible now{waited}: {'; '.join(reasons)}"
+    if wait:
+        return NoDeviceAvailable(message, reasons, hint="wait longer or relax the limits")
+    return NoDeviceAvailable(
+        message, reasons,
+        hint="pass wait=SECONDS to queue until they free up, or relax the limits",
+        cli_hint="add --wait SECONDS to queue until they free up, or relax the limits")
 
 
 def _make_request(count: Any, min_free_memory: Any, max_utilization: Any, exclude: Any,

@@ -112,7 +112,7 @@ def _fail(path: Path, where: str, message: str) -> SimulationFileError:
 
 def _size(path: Path, where: str, value: Any) -> int:
     try:
-        return parse_size(value, name=where)
+        return parse_size(value, name=where, bare=False)
     except InvalidSizeError as exc:
         raise _fail(path, where, str(exc)) from None
 
@@ -142,7 +142,7 @@ def _parse_gpu(path: Path, index: int, entry: Any) -> GPU:
     if not isinstance(name, str) or not name:
         raise _fail(path, f"{where}.name", f"{name!r} is not a name")
     total = _size(path, f"{where}.memory_total", entry["memory_total"])
-    used = _size(path, f"{where}.memory_used", entry.get("memory_used", 0))
+    used = _size(path, f"{where}.memory_used", entry.get("memory_used", "0GiB"))
     if used > total:
         raise _fail(path, f"{where}.memory_used", "is larger than memory_total")
     processes = tuple(_parse_process(path, f"{where}.processes[{j}]", p)
@@ -260,7 +260,7 @@ def _parse_mig(path: Path, where: str, value: Any, parent_uuid: str
             raise _fail(path, spot, "missing key 'memory_total'")
         mig_uuid = item.get("uuid") or f"MIG-{uuid_module.uuid5(_NAMESPACE, f'{parent_uuid}/{k}')}"
         total = _size(path, f"{spot}.memory_total", item["memory_total"])
-        used = _size(path, f"{spot}.memory_used", item.get("memory_used", 0))
+        used = _size(path, f"{spot}.memory_used", item.get("memory_used", "0GiB"))
         if used > total:
             raise _fail(path, f"{spot}.memory_used", "is larger than memory_total")
         devices.append(MigDevice(

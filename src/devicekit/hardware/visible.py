@@ -163,7 +163,7 @@ def _bad(raw: str, entry: str, before: Sequence[VisibleDevice], why: str) -> Vis
     return VisibleDevicesError(
         f"{VISIBLE_ENV}={raw!r}: entry {entry!r} {why}; CUDA silently stops at such an entry "
         f"({effect}); list indices or UUIDs from 'devicekit status', e.g. "
-        f"{VISIBLE_ENV}=$(devicekit select)"
+        "the value 'devicekit select' prints"
     )
 
 

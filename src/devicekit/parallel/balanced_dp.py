@@ -119,8 +119,14 @@ def _device_index(device: Any) -> int:
         raise InvalidDeviceError(
             f"BalancedDataParallel splits over CUDA devices, got {device!r}; pass device_ids=None "
             f"on a machine without GPUs for a plain call")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:  # "pick an index below 0" helps nobody: say why there is none
+        from devicekit.placement.devices import no_cuda_reason
+
+        raise InvalidDeviceError(
+            f"device {device!r}: this process sees no CUDA device ({no_cuda_reason()}); pass"
+            " device_ids=None to run the module as is")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
     if not 0 <= index < count:
         raise InvalidDeviceError(
             f"device {device!r} does not exist: {count} CUDA device(s) visible; pick an index "

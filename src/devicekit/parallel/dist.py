@@ -24,13 +24,14 @@ import functools
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
 from devicekit.parallel.environments import DistEnv, detect_environment
-from devicekit.parallel.environments.base import is_loopback
+from devicekit.parallel.environments.base import check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ def device(facts: DistEnv | None = None) -> torch.device:
 
     facts = facts or env()
     if not torch.cuda.is_available():
+        _warn_if_gpus_were_meant(torch)
         return torch.device("cpu")
     count = torch.cuda.device_count()
     per_proc = _gpus_per_proc()
@@ -107,6 +109,33 @@ def device(facts: DistEnv | None = None) -> torch.device:
             f" (CUDA_VISIBLE_DEVICES={visible}); start at most {count // per_proc} per node"
         )
     return torch.device("cuda", facts.local_rank * per_proc)
+
+
+class CPUFallbackWarning(UserWarning):
+    """This process was given GPUs, but torch cannot use CUDA, so it runs on the CPU."""
+
+
+def _warn_if_gpus_were_meant(torch: Any) -> None:
+    """Say loudly (once) why a process handed GPUs (CUDA_VISIBLE_DEVICES) gets the CPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible or visible == "-1" or os.environ.get("DEVICEKIT_SIMULATE"):
+        return  # no GPU was meant (or the GPUs are simulated: the CPU is expected)
+    if _warned:
+        return
+    _warned.append(True)
+    cuda = getattr(torch.version, "cuda", None)
+    if cuda is None:
+        cause = (f"torch {torch.__version__} is a CPU-only build; install a CUDA build"
+                 " (pytorch.org/get-started)")
+    else:
+        cause = (f"torch {torch.__version__} is built for CUDA {cuda} but"
+                 " torch.cuda.is_available() is False (a driver too old for that build?);"
+                 " run 'devicekit doctor'")
+    warnings.warn(f"this process was given GPUs (CUDA_VISIBLE_DEVICES={visible}) but runs on the"
+                  f" CPU: {cause}", CPUFallbackWarning, stacklevel=3)
+
+
+_warned: list[bool] = []
 
 
 def init(backend: str = "auto", timeout: float | timedelta | None = None) -> torch.device:
@@ -288,6 +317,8 @@ def _check_master_address(facts: DistEnv) -> None:
             f"master address {facts.master_addr!r} is this machine's loopback but the job spans"
             f" {facts.nnodes} nodes ({facts.source}); set MASTER_ADDR to rank 0's host name or IP"
         )
+    if facts.world_size > 1:
+        check_resolvable(facts.master_addr, f"master address (MASTER_ADDR, from {facts.source})")
 
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[-_]rank(?:=(.*))?$")

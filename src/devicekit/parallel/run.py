@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from devicekit.errors import CommandNotFoundError, InvalidValueError
+from devicekit.errors import CommandNotFoundError, InvalidValueError, LaunchError
+from devicekit.hardware.checks import take_inventory
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
-from devicekit.parallel.environments.base import DEFAULT_PORT, is_loopback
+from devicekit.parallel.environments.base import DEFAULT_PORT, check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
@@ -94,6 +95,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         command=shlex.join(request.command) if request.command else "devicekit run (example)",
     )
     try:
+        _check_torch_can_use(allocation)
         notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
         command = _command(request.command)
         env = dict(environ)
@@ -213,6 +215,27 @@ def single_process_variables(port: int) -> dict[str, str]:
     }
 
 
+def _check_torch_can_use(allocation: Allocation) -> None:
+    """Refuse to lease real GPUs for a torch that cannot use them (CPU build, driver too old).
+
+    Otherwise the job would hold the GPUs while ``dk.dist.device()`` trains on the CPU.
+    Simulated GPUs are exempt: there, the CPU is what the job is expected to use.
+    """
+    if not allocation.on_gpu:
+        return
+    inventory = take_inventory()
+    if inventory.backend != "nvml":
+        return
+    from devicekit.hardware.torch_checks import check_torch_build
+
+    check = check_torch_build(inventory)
+    if check.status == "fail":
+        raise LaunchError(
+            f"{len(allocation.uuids)} GPU(s) leased but torch cannot use them: {check.message};"
+            " nothing started (run 'devicekit doctor' for details)"
+        )
+
+
 def _check_nodes(request: RunRequest) -> None:
     if request.nnodes < 1:
         raise InvalidValueError(f"--nnodes {request.nnodes} must be at least 1")
@@ -231,6 +254,8 @@ def _check_nodes(request: RunRequest) -> None:
         )
     if request.master_port is not None and not 0 < request.master_port < 65536:
         raise InvalidValueError(f"--master-port {request.master_port} is not a TCP port (1-65535)")
+    if request.master_addr is not None:  # before any lease: a typo must not wait for a timeout
+        check_resolvable(request.master_addr, "--master-addr")
 
 
 def _command(command: list[str]) -> list[str]:

@@ -84,6 +84,18 @@ def _visible_note() -> str:
     return "CUDA_VISIBLE_DEVICES is unset" if value is None else f"CUDA_VISIBLE_DEVICES={value!r}"
 
 
+def no_cuda_reason() -> str:
+    """Why this process sees no CUDA device, naming the real cause (the build before the variable)."""
+    if getattr(torch.version, "cuda", None) is None:
+        return (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch"
+                " (pytorch.org/get-started)")
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None and value.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU"
+            f" ({_visible_note()}); run 'devicekit doctor'")
+
+
 def _suggest(text: str) -> str:
     """A corrected spelling for a device string torch does not know, or ''."""
     match = re.fullmatch(r"\s*([A-Za-z_]+)\s*(?::\s*(\d+))?\s*", text)
@@ -141,7 +153,7 @@ def as_device(spec: DeviceLike) -> torch.device:
         return device
     count = _count(kind)
     if count == 0:
-        extra = f" ({_visible_note()})" if kind == "cuda" else ""
+        extra = f": {no_cuda_reason()}" if kind == "cuda" else ""
         raise InvalidDeviceError(
             f"device {shown!r} asked for but this process sees no {kind} device{extra}; "
             "use devicekit.try_gpu() to fall back to the CPU"

@@ -57,17 +57,20 @@ def _move_module(walk: Walk, module: nn.Module) -> nn.Module:
 
 
 def _move_object(walk: Walk, obj: Any) -> Any:
+    """``obj.to(device)``; an object whose ``.to()`` works in place (returns None) is kept."""
     to = getattr(obj, "to", None)
     if not callable(to):
         return obj  # it only has pin_memory()
     if not walk.non_blocking:
-        return to(walk.device)
-    try:
-        return to(walk.device, non_blocking=True)
-    except TypeError as err:  # a .to() that does not take non_blocking
-        if "non_blocking" not in str(err):
-            raise
-        return to(walk.device)
+        moved = to(walk.device)
+    else:
+        try:
+            moved = to(walk.device, non_blocking=True)
+        except TypeError as err:  # a .to() that does not take non_blocking
+            if "non_blocking" not in str(err):
+                raise
+            moved = to(walk.device)
+    return obj if moved is None else moved
 
 
 def to_device(
@@ -112,7 +115,8 @@ def _pin_tensor(walk: Walk, t: Tensor) -> Tensor:
 
 def _pin_object(walk: Walk, obj: Any) -> Any:
     pin = getattr(obj, "pin_memory", None)
-    return pin() if callable(pin) else obj
+    pinned = pin() if callable(pin) else None
+    return obj if pinned is None else pinned
 
 
 def _keep_module(walk: Walk, module: nn.Module) -> nn.Module:

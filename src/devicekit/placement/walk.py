@@ -5,8 +5,10 @@ this module is the shared walk. A :class:`Walk` dispatches on the exact type of 
 through a dict (resolved once per type, then cached), keeps a memo from ``id(source)`` to result
 so shared objects stay shared and self-containing lists terminate, and rebuilds containers with
 their own type: dict, OrderedDict, defaultdict (its factory kept), other mappings; list, tuple,
-namedtuple and their subclasses; dataclasses (frozen too). Tensors, modules and objects with a
-``.to()``/``pin_memory()`` go to the walk's operations; everything else is returned as is.
+namedtuple and their subclasses; dataclasses (frozen too; ``cached_property`` values computed
+from the old fields are dropped, so they are recomputed from the moved ones). Tensors, modules and objects with a
+``.to()``/``pin_memory()`` go to the walk's operations (an object whose ``.to()`` works in place
+and returns None is kept, as Lightning's ``move_data_to_device`` does); everything else is returned as is.
 
 Usage::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
@@ -204,6 +207,7 @@ def _dataclass(walk: Walk, obj: Any) -> Any:
         return found
     out = copy.copy(obj)
     walk.memo[id(obj)] = out
+    changed = False
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name, _MISSING)
         if value is _MISSING:
@@ -211,7 +215,31 @@ def _dataclass(walk: Walk, obj: Any) -> Any:
         new = walk(value)
         if new is not value:
             object.__setattr__(out, field.name, new)
+            changed = True
+    if changed:
+        _forget_cached_properties(out)
     return out
+
+
+def _forget_cached_properties(obj: Any) -> None:
+    """Drop ``functools.cached_property`` values computed from the old fields (recomputed on use)."""
+    state = getattr(obj, "__dict__", None)
+    if not state:
+        return
+    for name in _cached_property_names(type(obj)):
+        state.pop(name, None)
+
+
+def _cached_property_names(cls: type) -> tuple[str, ...]:
+    found = _CACHED_NAMES.get(cls)
+    if found is None:
+        found = tuple(name for klass in cls.__mro__ for name, attr in vars(klass).items()
+                      if isinstance(attr, functools.cached_property))
+        _CACHED_NAMES[cls] = found
+    return found
+
+
+_CACHED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 _HANDLERS: dict[type, Callable[[Walk, Any], Any]] = {

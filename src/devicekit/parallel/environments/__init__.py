@@ -1,4 +1,4 @@
-"""Where the rank facts come from: torchrun, Slurm, MPI, ``dk.launch`` or a plain process.
+"""Where the rank facts come from: torchrun, Kubeflow, Slurm, MPI, ``dk.launch`` or a plain process.
 
 Each cluster environment is one small class with ``detect(environ)`` and ``read(environ)``
 (Lightning Fabric's idea, without its connectors). :func:`detect_environment` asks them in
@@ -22,13 +22,18 @@ from devicekit.parallel.environments.base import DistEnv, Environment
 from devicekit.parallel.environments.mpi import MPIEnvironment
 from devicekit.parallel.environments.single import SingleEnvironment
 from devicekit.parallel.environments.slurm import SlurmEnvironment, expand_nodelist
-from devicekit.parallel.environments.torchrun import DevicekitEnvironment, TorchrunEnvironment
+from devicekit.parallel.environments.torchrun import (
+    DevicekitEnvironment,
+    KubeflowEnvironment,
+    TorchrunEnvironment,
+)
 
 __all__ = [
     "DistEnv",
     "Environment",
     "DevicekitEnvironment",
     "TorchrunEnvironment",
+    "KubeflowEnvironment",
     "SlurmEnvironment",
     "MPIEnvironment",
     "SingleEnvironment",
@@ -41,6 +46,7 @@ __all__ = [
 #: which describe the processes better than the outer allocation does.
 ENVIRONMENTS: tuple[type[Environment], ...] = (
     DevicekitEnvironment,
+    KubeflowEnvironment,
     TorchrunEnvironment,
     SlurmEnvironment,
     MPIEnvironment,

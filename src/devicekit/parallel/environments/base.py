@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from devicekit.errors import DistributedError
 
-__all__ = ["DistEnv", "Environment", "integer_variable", "is_loopback", "DEFAULT_PORT"]
+__all__ = ["DistEnv", "Environment", "integer_variable", "is_loopback", "DEFAULT_PORT", "check_resolvable"]
 
 #: torchrun's default master port; used where nothing else says which port to use.
 DEFAULT_PORT = 29500
@@ -121,3 +121,29 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_resolvable(address: str, what: str = "master address") -> None:
+    """One-line :class:`DistributedError` when ``address`` names no host this machine can find.
+
+    torchrun would otherwise retry the rendezvous with ``gai error -2`` every few seconds until
+    its timeout. An IP address is always accepted (whether it answers is the rendezvous's job).
+    """
+    import socket
+
+    host = address.strip().strip("[]")
+    if not host:
+        raise DistributedError(f"{what} {address!r} is empty; give node 0's host name or IP")
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else str(exc)
+        raise DistributedError(
+            f"{what} {address!r} does not resolve ({why}); give node 0's host name or IP as"
+            " every node can reach it (check with: getent hosts " + host + ")"
+        ) from None

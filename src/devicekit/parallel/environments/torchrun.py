@@ -2,7 +2,9 @@
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (the node),
 GROUP_WORLD_SIZE (the node count), MASTER_ADDR and MASTER_PORT. ``dk.launch`` sets the same
-ones plus ``DEVICEKIT_LAUNCH=1``.
+ones plus ``DEVICEKIT_LAUNCH=1``. A launcher that sets only RANK and WORLD_SIZE (Kubeflow's
+PyTorchJob, one process per pod) starts one process per node: local rank 0 of 1, node = rank.
+Every launcher that starts several processes on a node says so with LOCAL_RANK.
 
 Usage::
 
@@ -23,7 +25,7 @@ from devicekit.parallel.environments.base import (
     integer_variable,
 )
 
-__all__ = ["TorchrunEnvironment", "DevicekitEnvironment", "LAUNCH_MARKER", "PUBLISHED_MARKER",
+__all__ = ["TorchrunEnvironment", "DevicekitEnvironment", "KubeflowEnvironment", "LAUNCH_MARKER", "PUBLISHED_MARKER",
            "published_by_devicekit"]
 
 #: set by ``dk.launch`` in every rank it starts
@@ -54,8 +56,12 @@ class TorchrunEnvironment(Environment):
         e = self.environ
         rank = integer_variable(e, "RANK")
         world = integer_variable(e, "WORLD_SIZE")
-        local_rank = integer_variable(e, "LOCAL_RANK", rank if "LOCAL_WORLD_SIZE" not in e else 0)
-        local_world = integer_variable(e, "LOCAL_WORLD_SIZE", world)
+        if "LOCAL_RANK" not in e and "LOCAL_WORLD_SIZE" not in e:
+            # one process per node (Kubeflow's PyTorchJob: one pod per rank)
+            local_rank, local_world = 0, 1
+        else:
+            local_rank = integer_variable(e, "LOCAL_RANK", rank if "LOCAL_WORLD_SIZE" not in e else 0)
+            local_world = integer_variable(e, "LOCAL_WORLD_SIZE", world)
         nnodes = integer_variable(e, "GROUP_WORLD_SIZE", max(world // max(local_world, 1), 1))
         node_rank = integer_variable(e, "GROUP_RANK", rank // max(local_world, 1))
         return self.check(
@@ -81,3 +87,15 @@ class DevicekitEnvironment(TorchrunEnvironment):
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
         return environ.get(LAUNCH_MARKER) == "1" and TorchrunEnvironment.detect(environ)
+
+
+class KubeflowEnvironment(TorchrunEnvironment):
+    """A Kubeflow PyTorchJob pod: RANK, WORLD_SIZE, MASTER_ADDR/PORT, one process per pod."""
+
+    name = "kubeflow"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return (("KUBERNETES_PORT" in environ or "KUBERNETES_SERVICE_HOST" in environ)
+                and "LOCAL_RANK" not in environ and "GROUP_RANK" not in environ
+                and "TORCHELASTIC_RUN_ID" not in environ and TorchrunEnvironment.detect(environ))
