@@ -111,7 +111,7 @@ class MemoryEstimate:
                 lo = mid
             else:
                 hi = mid
-        return lo
+        return min(lo, limit)
 
     def rows(self) -> list[tuple[str, int]]:
         """(part, bytes) for every part, then the peak."""
