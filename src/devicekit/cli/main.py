@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "select": ("devicekit.cli.select", "Pick free GPUs; print the value for CUDA_VISIBLE_DEVICES."),
     "run": ("devicekit.cli.run", "Lease GPUs and run a command (or the bundled example) on them."),
     "doctor": ("devicekit.cli.doctor", "Check driver, torch, NCCL, variables and leases."),
+    "estimate": ("devicekit.cli.estimate", "Estimate the memory of one training step before running it."),
+    "advise": ("devicekit.cli.advise", "Rank strategies (one GPU, DDP, FSDP, split, offload) for a model."),
 }
 
 
