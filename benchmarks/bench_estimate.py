@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))  # the models of tests/memory
 
 import torch  # noqa: E402
+from tests.memory.estimate_models import MODELS, measured_peak_cpu  # noqa: E402
 from torch import nn  # noqa: E402
 
 import devicekit as dk  # noqa: E402
-from tests.memory.estimate_models import MODELS, measured_peak_cpu  # noqa: E402
 
 
 def accelerate_formula(model: nn.Module) -> int:
