@@ -94,6 +94,10 @@ _EXPORTS: dict[str, str] = {
     "release": "devicekit.memory.release:release",
     "empty_cache": "devicekit.memory.release:empty_cache",
     "MemoryTimeline": "devicekit.memory.timeline:MemoryTimeline",
+    "estimate_memory": "devicekit.memory.estimate:estimate_memory",
+    "MemoryEstimate": "devicekit.memory.estimate:MemoryEstimate",
+    "advise": "devicekit.parallel.advise:advise",
+    "Advice": "devicekit.parallel.advise:Advice",
     # parallel
     "launch": "devicekit.parallel.launch:launch",
     "dist": "devicekit.parallel.dist",
@@ -114,6 +118,7 @@ _EXPORTS: dict[str, str] = {
     "SplitModel": "devicekit.parallel.split:SplitModel",
     "Plan": "devicekit.parallel.partition:Plan",
     "pipeline_stage": "devicekit.parallel.stages:pipeline_stage",
+    "shard": "devicekit.parallel.shard:shard",
     "DeferredBatchNorm": "devicekit.parallel.batchnorm:DeferredBatchNorm",
     # device speed
     "bench": "devicekit.measure.run:bench",

@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("devicekit.cli.run", "Lease GPUs and run a command (or the bundled example) on them."),
     "doctor": ("devicekit.cli.doctor", "Check driver, torch, NCCL, variables and leases."),
     "bench": ("devicekit.cli.bench", "Measure each device (matmul, bandwidths, latency) vs its peak."),
+    "estimate": ("devicekit.cli.estimate", "Estimate the memory of one training step before running it."),
+    "advise": ("devicekit.cli.advise", "Rank strategies (one GPU, DDP, FSDP, split, offload) for a model."),
 }
 
 

@@ -20,6 +20,8 @@ Usage::
     state = dk.load_checkpoint("ckpt/last.pt", map_location="cpu")
     state = dk.load_checkpoint("ckpt/last.pt", map_location={"cuda:1": "cuda:0"})
     state = dk.load_checkpoint("trusted.pt", weights_only=False)     # only for files you trust
+    dk.save_checkpoint(sharded_model, "ckpt/step-100")   # FSDP2 (dk.shard): a DCP directory
+    dk.load_checkpoint("ckpt/step-100", into=model)      # on any number of ranks
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
             f"checkpoint path {path!r} is a {type(path).__name__}, not a path; pass a str or Path"
         )
     target = Path(path)
+    from devicekit.placement.sharded_checkpoint import holds_sharded, save_sharded
+
+    if holds_sharded(obj):  # a model sharded over ranks: every rank writes its shards (DCP)
+        return save_sharded(obj, target)
     distributed, rank = _distributed()
     if not distributed:
         _write_atomically(obj, target)
@@ -177,16 +183,24 @@ def load_checkpoint(
     path: str | os.PathLike[str],
     map_location: MapLocation = None,
     weights_only: bool = True,
+    *,
+    into: Any = None,
 ) -> Any:
     """Load a checkpoint, by default onto this process's device and without running code.
 
     ``map_location``: None (this process's device), a device, a dict ``{"cuda:1": "cuda:0"}``
     or a callable as ``torch.load`` takes it. ``weights_only=False`` unpickles arbitrary
-    objects: only for files you trust.
+    objects: only for files you trust. A sharded checkpoint (a ``torch.distributed.checkpoint``
+    directory, see :mod:`devicekit.placement.sharded_checkpoint`) loads in place ``into`` a model
+    sharded over any number of ranks (or a plain one), or whole without ``into``.
     """
     source = Path(path)
     if not source.exists():
         raise CheckpointError(f"checkpoint {str(source)!r} not found; check the path")
+    from devicekit.placement.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+
+    if is_sharded_checkpoint(source):
+        return load_sharded(source, into)
     if source.is_dir():
         raise CheckpointError(f"checkpoint {str(source)!r} is a directory, not a file")
     location = _check_map_location(map_location)

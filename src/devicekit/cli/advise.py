@@ -1,0 +1,31 @@
+"""``devicekit advise MODULE:FACTORY --input SHAPE``: which strategy, on the GPUs that exist.
+
+Usage::
+
+    devicekit advise mypkg.models:build_lm --input 512:long --batch 8
+    devicekit --simulate four-small-gpus.json advise mypkg.models:build_lm --input 512:long --json
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from devicekit.cli.estimate import model_options
+
+__all__ = ["command"]
+
+
+@click.command(help="Rank strategies (one GPU, DDP, FSDP, split, offload) for a model on these GPUs.")
+@model_options
+def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
+            as_json: bool) -> None:
+    from devicekit.cli.model_factory import load_factory, parse_inputs
+    from devicekit.parallel.advise import advise
+
+    sample = parse_inputs(inputs, batch)
+    model = load_factory(model_spec)
+    advice = advise(model, sample, optimizer=None if optimizer.lower() == "none" else optimizer,
+                    precision=precision)
+    click.echo(json.dumps(advice.to_dict(), indent=2) if as_json else str(advice))

@@ -1,0 +1,223 @@
+"""Which strategy? Rank one GPU, DDP, FSDP, split/pipeline and CPU offload for a model.
+
+``advise(model, sample)`` estimates one training step (``dk.estimate_memory``), reads the GPUs
+that exist (the inventory, simulated GPUs included; or ``gpus=["80GiB", "24GiB"]``), keeps 10 %
+of each GPU as headroom, and ranks the strategies the seeds' decision table names:
+
+* the model and batch fit on one GPU: train there, or, with several GPUs that each hold it,
+  DDP over them for speed (memory per GPU: the step plus DDP's gradient buckets);
+* it does not fit on one: FSDP over N (parameters, gradients and optimizer state sharded N
+  ways, one block gathered at a time), a split / pipeline over N (``dk.plan_devices``),
+  CPU offload (state in host RAM, only a block's working set on the GPU; slow but it fits).
+
+The first row is what a careful engineer picks, with the line that runs it; every row says
+the memory per GPU, whether it fits, and why.
+
+Usage::
+
+    import devicekit as dk
+
+    advice = dk.advise(model, torch.empty(32, 3, 224, 224, device="meta"))
+    print(advice)                 # the ranked table
+    advice.best.name, advice.best.command
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicekit.errors import DeviceKitError, InvalidValueError
+from devicekit.memory.estimate import MemoryEstimate, estimate_memory
+from devicekit.memory.step import OptimizerSpec
+from devicekit.parallel.blocks import find_blocks
+from devicekit.units import format_size, parse_size
+
+__all__ = ["Advice", "Strategy", "advise", "HEADROOM"]
+
+#: share of each GPU's total memory kept free (allocator fragmentation, CUDA context, spikes)
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run the step: memory per GPU, whether it fits, why, and how to run it."""
+
+    name: str
+    gpus: int
+    memory_per_gpu: int
+    fits: bool
+    reason: str
+    command: str
+    batch_size: int | None = None      # per GPU
+    global_batch: int | None = None
+
+
+@dataclass
+class Advice:
+    """Ranked strategies (``rows``; ``best`` first) and the estimate they rest on."""
+
+    rows: list[Strategy]
+    estimate: MemoryEstimate
+    budgets: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def best(self) -> Strategy:
+        return self.rows[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"best": self.best.name, "estimate": self.estimate.to_dict(),
+                "gpus": [{"name": n, "usable": u} for n, u in self.budgets],
+                "strategies": [vars(s) for s in self.rows]}
+
+    def __str__(self) -> str:
+        gpus = ", ".join(f"{n} {format_size(u)}" for n, u in self.budgets) or "none"
+        lines = [f"one step needs {format_size(self.estimate.peak)} (batch {self.estimate.batch_size}, "
+                 f"{format_size(self.estimate.model_state)} of it weights + gradients + optimizer state)",
+                 f"usable GPU memory (10 % headroom kept): {gpus}", ""]
+        width = max(len(s.name) for s in self.rows)
+        for rank, s in enumerate(self.rows, 1):
+            mark = "fits" if s.fits else "does not fit"
+            lines.append(f"{rank}. {s.name:<{width}}  {format_size(s.memory_per_gpu):>10}/GPU  {mark}: {s.reason}")
+            if s.fits:
+                lines.append(f"   {'':<{width}}  run: {s.command}")
+        return "\n".join(lines)
+
+
+def _budgets(gpus: Sequence[Any] | None) -> list[tuple[str, int]]:
+    """(label, usable bytes) per GPU: free memory minus headroom x total."""
+    if gpus is None:
+        from devicekit.hardware.inventory import gpus as inventory
+
+        gpus = inventory()
+    budgets = []
+    for i, gpu in enumerate(gpus):
+        if isinstance(gpu, (str, int)) and not isinstance(gpu, bool):
+            size = parse_size(gpu, name=f"gpus[{i}]")
+            budgets.append((f"gpu{i}", int(size * (1 - HEADROOM))))
+        elif hasattr(gpu, "memory_free") and hasattr(gpu, "memory_total"):
+            usable = max(int(gpu.memory_free - HEADROOM * gpu.memory_total), 0)
+            budgets.append((f"gpu{getattr(gpu, 'index', i)}", usable))
+        else:
+            raise InvalidValueError(f"gpus[{i}] {gpu!r} is neither a dk.GPU nor a size such as '80GiB'")
+    return budgets
+
+
+def advise(
+    model: nn.Module,
+    sample: Any,
+    *,
+    gpus: Sequence[Any] | None = None,
+    optimizer: OptimizerSpec = "adam",
+    precision: str | torch.dtype | None = None,
+    batch_size: int | None = None,
+    host_memory: int | str | None = None,
+) -> Advice:
+    """Rank the strategies for training ``model`` on ``sample``'s batch; see the module doc."""
+    est = estimate_memory(model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size)
+    budgets = _budgets(gpus)
+    if host_memory is None:
+        import psutil
+
+        host = int(psutil.virtual_memory().available * (1 - HEADROOM))
+    else:
+        host = parse_size(host_memory, name="host_memory")
+    rows = _strategies(model, est, budgets, host, precision)
+    return Advice(rows=_rank(rows), estimate=est, budgets=budgets)
+
+
+def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, int]], host: int,
+                precision: Any) -> list[Strategy]:
+    peak, state, batch = est.peak, est.model_state, est.batch_size
+    working = peak - state                         # activations, temporaries, inputs at the peak
+    blocks = find_blocks(model)
+    largest = max((sum(p.numel() * p.element_size() for p in m.parameters()) for _, m in blocks),
+                  default=state // 4 if state else 0)
+    rows: list[Strategy] = []
+    if not budgets:
+        rows.append(Strategy("cpu", 0, 0, peak <= host, f"no GPU; the step needs {format_size(peak)} "
+                             f"of {format_size(host)} host RAM", "python train.py  # on the CPU",
+                             batch, batch))
+        return rows
+    best_room = max(u for _, u in budgets)
+    single_batch = est.max_batch_size(best_room) if batch is not None else None
+    fits_one = peak <= best_room
+    rows.append(Strategy(
+        "one GPU", 1, peak, fits_one,
+        (f"the step needs {format_size(peak)}, the roomiest GPU has {format_size(best_room)}; "
+         f"largest batch there: {single_batch}") if fits_one else
+        f"the step needs {format_size(peak)} but the roomiest GPU has {format_size(best_room)}"
+        f" (largest batch there: {single_batch})",
+        "devicekit run --gpus 1 -- python train.py", batch, batch))
+    ddp_need = peak + est.parts["gradients"]        # DDP's buckets hold a second copy of the grads
+    ddp_n = sum(1 for _, u in budgets if u >= ddp_need)
+    n_all = len(budgets)
+    rows.append(Strategy(
+        f"DDP over {max(ddp_n, 2) if n_all > 1 else 1}", max(ddp_n, 1), ddp_need, ddp_n >= 2,
+        (f"{ddp_n} GPUs each hold the step plus DDP's gradient buckets; global batch "
+         f"{ddp_n * (batch or 1)} ({batch} per GPU), about {ddp_n}x the speed of one")
+        if ddp_n >= 2 else (f"needs {format_size(ddp_need)} per GPU (the step + gradient buckets); "
+                            f"{ddp_n} GPU(s) have that" if n_all > 1 else "only one GPU"),
+        f"devicekit run --gpus {max(ddp_n, 2)} -- python train.py  # model = dk.ddp(model)",
+        batch, (batch or 1) * max(ddp_n, 1)))
+    for n in range(2, n_all + 1) or [n_all]:
+        fsdp_need = state // n + working + 2 * largest
+        room = sorted((u for _, u in budgets), reverse=True)[n - 1]
+        if fsdp_need <= room or n == n_all:
+            break
+    fsdp_fits = n_all >= 2 and fsdp_need <= room
+    rows.append(Strategy(
+        f"FSDP over {n}", n, fsdp_need, fsdp_fits,
+        f"weights, gradients and optimizer state ({format_size(state)}) sharded {n} ways, "
+        f"{len(blocks)} blocks gathered one at a time (largest {format_size(largest)}), plus "
+        f"{format_size(working)} of activations and temporaries per GPU; global batch {n * (batch or 1)}"
+        if n_all >= 2 else "needs at least 2 GPUs",
+        f"devicekit run --gpus {n} -- python train.py  # model = dk.shard(model)", batch, n * (batch or 1)))
+    rows.append(_split_row(model, est, budgets))
+    offload_need = working + 2 * largest
+    rows.append(Strategy(
+        "FSDP + CPU offload", 1, offload_need, offload_need <= best_room and state <= host,
+        f"weights, gradients and optimizer state ({format_size(state)}) in host RAM "
+        f"({format_size(host)} usable), one block at a time on the GPU; slow (every step moves "
+        "the model over PCIe)", "devicekit run --gpus 1 -- python train.py  # model = dk.shard(model, offload=True)",
+        batch, batch))
+    return rows
+
+
+def _split_row(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, int]]) -> Strategy:
+    from devicekit.parallel.plan import plan_devices
+
+    memory = {f"cuda:{i}": u for i, (_, u) in enumerate(budgets)}
+    try:
+        # weights, gradients and optimizer state per layer; the activations are added below
+        plan = plan_devices(model, memory, training=True, optimizer=est.optimizer
+                            if est.optimizer != "custom" else 2.0)
+    except DeviceKitError as exc:
+        return Strategy("split / pipeline", len(budgets), est.peak, False,
+                        str(exc).split(";")[0], "model = dk.split(model, dk.plan_devices(model))")
+    per_gpu = max(p.memory for p in plan.parts) + (est.peak - est.model_state) // max(len(plan.parts), 1)
+    n = len(plan.parts)
+    if n < 2:
+        return Strategy("split / pipeline", 1, per_gpu, False, "not needed: the layers fit on one GPU",
+                        "model = dk.split(model, dk.plan_devices(model))")
+    return Strategy(f"split / pipeline over {n}", n, per_gpu, True,
+                    f"layers balanced over {n} GPUs by dk.plan_devices; one GPU works at a time "
+                    "(a Pipeline with chunks overlaps them)",
+                    "model = dk.Pipeline(model, dk.plan_devices(model, spread=True), chunks=4)")
+
+
+def _rank(rows: list[Strategy]) -> list[Strategy]:
+    """Fitting rows first, in the order a careful engineer prefers; then the rest."""
+    def preference(s: Strategy) -> tuple[int, int]:
+        one_fits = any(r.name == "one GPU" and r.fits for r in rows)
+        order = {"DDP": 0, "one GPU": 1, "FSDP over": 2, "split": 3, "FSDP + CPU": 4, "cpu": 5}
+        key = next(v for k, v in order.items() if s.name.startswith(k))
+        if not one_fits and s.name.startswith("DDP"):
+            key = 9
+        return (0 if s.fits else 1, key)
+
+    return sorted(rows, key=preference)
