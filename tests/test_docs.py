@@ -52,6 +52,9 @@ def _devicekit_commands() -> list[tuple[str, list[str]]]:
                 line = line.removeprefix("$ ")
                 for m in re.finditer(r"(?:^|[\s(])devicekit((?: [^|&)#;]*)?)", line):
                     words = shlex.split(m.group(1).split(" -- ")[0])
+                    # a shell redirection ends the command's own words: `devicekit bench > b.json`
+                    cut = next((i for i, w in enumerate(words) if w[:1] in "<>" or w[:2] == "2>"), None)
+                    words = words[:cut]
                     if words and not words[0].startswith("$"):
                         found.append((page, words))
     return found
