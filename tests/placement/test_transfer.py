@@ -272,3 +272,35 @@ def test_cached_property_is_not_left_on_the_old_device(cls: type) -> None:
     assert moved.x.device.type == "meta"
     assert moved.doubled.device.type == "meta"  # was the stale CPU tensor
     assert obj.doubled.device.type == "cpu"  # the original keeps its own cache
+
+
+def test_map_tensors_keeps_every_container_type_and_sharing() -> None:
+    """The package's one tree map (estimates, layer profiles): structures come back as they were."""
+    import collections
+    import dataclasses
+
+    from devicekit.placement.walk import map_tensors
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @dataclasses.dataclass(frozen=True)
+    class Box:
+        t: torch.Tensor
+        name: str
+
+    shared = torch.ones(2)
+    batch = {"pair": Pair(shared, 3), "box": Box(shared, "b"), "list": [shared, "s"],
+             "dd": collections.defaultdict(list, a=[torch.zeros(1)])}
+    calls = []
+
+    def double(t: torch.Tensor) -> torch.Tensor:
+        calls.append(t)
+        return t * 2
+
+    out = map_tensors(batch, double)
+    assert isinstance(out["pair"], Pair) and out["pair"].y == 3
+    assert isinstance(out["box"], Box) and out["box"].name == "b"
+    assert isinstance(out["dd"], collections.defaultdict) and out["dd"].default_factory is list
+    assert torch.equal(out["pair"].x, torch.full((2,), 2.0))
+    assert out["pair"].x is out["box"].t is out["list"][0]  # one tensor, mapped once
+    assert len(calls) == 2

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from devicekit.memory.step import OptimizerSpec, make_optimizer, training_step
+from devicekit.placement.walk import iter_tensors, map_tensors
 
 __all__ = ["PARTS", "fake_step", "resize_batch"]
 
@@ -109,19 +110,8 @@ def resize_batch(sample: Any, batch_size: int | None) -> Any:
             shape[0] = batch_size
         return torch.empty(shape, dtype=t.dtype, device="meta")
 
-    return _map(sample, shape_of)
+    return map_tensors(sample, shape_of)
 
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(_map(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [_map(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
 
 
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -162,7 +152,7 @@ def fake_step(
     with fake_mode, tracker:
         fake = _fake_model(model, device, tracker)
         fake.train(training)
-        batch = _map(sample, lambda t: _fake_like(t, device))
+        batch = map_tensors(sample, lambda t: _fake_like(t, device))
         for t in _flat(batch):
             tracker.track(t, "inputs")
         opt = make_optimizer(optimizer, fake.parameters(), foreach=device.type == "cuda") if training else None
@@ -183,9 +173,7 @@ def fake_step(
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map(obj, found.append)
-    return found
+    return list(iter_tensors(obj))
 
 
 def _phase_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, tracker: _LiveBytes) -> list[Any]:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
+from devicekit.placement.walk import map_tensors
 
 __all__ = ["LayerCost", "optimizer_factor", "profile_layers", "sequential_layers"]
 
@@ -120,17 +121,6 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _map(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(_map(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [_map(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
-
 
 def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(obj))
@@ -153,7 +143,7 @@ def _prepare_input(x: Any, device: torch.device | None) -> Any:
             t.requires_grad_(True)
         return t
 
-    return _map(x, fix)
+    return map_tensors(x, fix)
 
 
 def _saved_bytes(layer: nn.Module, x: Any) -> tuple[Any, int]:
@@ -246,7 +236,7 @@ def profile_layers(
                     ) from exc
                 cost.update(activation_bytes=saved, transient_bytes=_nbytes(x) + _nbytes(out),
                             seconds=seconds)
-                x = _map(out, lambda t: t.detach())
+                x = map_tensors(out, lambda t: t.detach())
             costs.append(LayerCost(**cost))  # type: ignore[arg-type]
     for _, layer in layers:  # restore running statistics touched by profiling
         for b in layer.buffers():

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from devicekit.errors import PlacementError
 
-__all__ = ["Walk", "iter_tensors", "LEAF_TYPES"]
+__all__ = ["Walk", "iter_tensors", "map_tensors", "LEAF_TYPES"]
 
 _MISSING = object()
 
@@ -317,3 +317,19 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             seen.add(id(item))
             stack.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))
+
+
+def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``obj`` rebuilt with ``fn(t)`` for every tensor ``t`` in it, every container of its own type
+    (namedtuples, dataclasses, defaultdicts, ...), shared tensors mapped once; modules and other
+    objects are kept as they are. The one tree map of the package (micro-batches, estimates and
+    layer profiles use it, so every structure ``to_device`` keeps is kept there too)."""
+    return Walk(None, lambda walk, t: fn(t), _keep_object, _keep_module, frozenset())(obj)
+
+
+def _keep_object(walk: Walk, obj: Any) -> Any:
+    return obj
+
+
+def _keep_module(walk: Walk, module: nn.Module) -> nn.Module:
+    return module
