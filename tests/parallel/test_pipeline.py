@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -195,3 +196,45 @@ def test_schedule_and_predicted_bubble() -> None:
 def test_bad_pipeline_options(kwargs: dict, words: str) -> None:
     with pytest.raises(dk.InvalidValueError, match=words):
         dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], **kwargs)
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    mask: torch.Tensor
+
+
+class ToPair(nn.Module):
+    def forward(self, x: torch.Tensor) -> Pair:
+        return Pair(torch.tanh(x), (x > 0).float())
+
+
+class FromPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, p: Pair) -> dict[str, Any]:
+        return {"out": self.linear(p.x) * p.mask, "kind": "pair"}  # attribute access: p.x
+
+
+def test_namedtuples_and_dicts_keep_their_type_through_split_and_pipeline() -> None:
+    """Issue 14 item 3: a namedtuple activation came out of the micro-batch walk as a plain
+    tuple ('tuple' object has no attribute 'x'). One walker (map_tensors) now keeps it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ToPair(), FromPair())
+    x = torch.randn(6, 4, requires_grad=True)
+    want = model(x)
+    split = dk.split(model, ["cpu", "cpu"], balance=[1, 1])
+    pipe = dk.Pipeline(model, ["cpu", "cpu"], chunks=3, balance=[1, 1], checkpoint="never")
+    for runner in (split, pipe):
+        got = runner(x)
+        assert got["kind"] == "pair"
+        torch.testing.assert_close(got["out"], want["out"])
+    pipe.close()
+    batch = {"p": Pair(torch.ones(4, 2), torch.zeros(4, 2)), "flag": True}
+    from devicekit.parallel.microbatch import gather, scatter
+
+    parts = scatter(batch, 2)
+    assert [type(p["p"]) for p in parts] == [Pair, Pair] and parts[0]["flag"] is True
+    joined = gather(parts)
+    assert isinstance(joined["p"], Pair) and torch.equal(joined["p"].x, batch["p"].x)
