@@ -26,9 +26,10 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Temp
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path_factory.mktemp("leases")))
     monkeypatch.setenv("DEVICEKIT_BENCH_CACHE", str(tmp_path_factory.mktemp("bench-cache")))
-    from devicekit.hardware import inventory
+    from devicekit.hardware import inventory, visible
 
     inventory._cache.clear()
+    visible._warned.clear()  # DeviceOrderWarning is once per process: each test is a fresh one
 
 
 @pytest.fixture

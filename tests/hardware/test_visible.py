@@ -120,6 +120,37 @@ def test_fastest_first_differs_from_pci_order_and_warns(mixed):
         assert ordinals({"CUDA_VISIBLE_DEVICES": mixed[0].uuid}) == [(0, 0)]  # UUIDs never warn
 
 
+def test_order_warning_is_given_once_at_the_callers_line(simulate, monkeypatch):
+    """Selecting on a mixed machine with indices in CUDA_VISIBLE_DEVICES reaches the ordering
+    trap once per GPU and once per call: the user gets one warning, naming their own line."""
+    import devicekit as dk
+
+    simulate([h100(compute_capability="9.0"),
+              {"name": "NVIDIA A100-SXM4-40GB", "memory_total": "40GiB", "compute_capability": "8.0"}])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own default: what a user's script gets
+        selection = dk.select_gpus(2)
+        assert len(selection.devices) == 2
+        visible_devices()
+        selection.release()
+    order = [w for w in caught if issubclass(w.category, DeviceOrderWarning)]
+    assert len(order) == 1, [str(w.message) for w in order]
+    assert order[0].filename == __file__, order[0].filename
+    assert "uses indices" in str(order[0].message)
+
+
+def test_order_warning_left_to_doctor_is_still_given_later(mixed, monkeypatch):
+    from devicekit.hardware.checks import Inventory, check_visible_devices
+
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check reports the trap itself, without a warning
+        assert check_visible_devices(Inventory("simulated", tuple(mixed)), env).status == "pass"
+    with pytest.warns(DeviceOrderWarning, match="uses indices"):
+        visible_devices(mixed, env)
+
+
 def test_same_models_need_no_warning(three):
     assert ordering_note(three, {}) is None
     assert [g.index for g in enumeration_order(three)] == [0, 1, 2]

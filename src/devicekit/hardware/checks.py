@@ -180,8 +180,6 @@ def check_device_order(inv: Inventory, env: Mapping[str, str]) -> Check:
 
 def check_visible_devices(inv: Inventory, env: Mapping[str, str]) -> Check:
     """CUDA_VISIBLE_DEVICES: parseable, names GPUs that exist, no duplicates."""
-    import warnings
-
     from devicekit.hardware.visible import visible_devices
 
     name = "cuda_visible_devices"
@@ -191,9 +189,7 @@ def check_visible_devices(inv: Inventory, env: Mapping[str, str]) -> Check:
     if inv.failed or not inv.gpus:
         return Check(name, "skip", f"CUDA_VISIBLE_DEVICES={raw!r}; no GPUs here to check it against")
     try:
-        with warnings.catch_warnings():  # the ordering trap is check_device_order's line
-            warnings.simplefilter("ignore")
-            devices = visible_devices(inv.gpus, env)
+        devices = visible_devices(inv.gpus, env, warn=False)  # the ordering trap is check_device_order's line
     except DeviceKitError as exc:
         return Check(name, "fail", str(exc))
     if not devices:
@@ -254,16 +250,12 @@ def run_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> l
 
 def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:
     """How many devices CUDA will show (None where that cannot be told)."""
-    import warnings
-
     from devicekit.hardware.visible import visible_devices
 
     if inv.failed or not inv.gpus:
         return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return len(visible_devices(inv.gpus, env))
+        return len(visible_devices(inv.gpus, env, warn=False))
     except DeviceKitError:
         return None
 

@@ -118,11 +118,13 @@ def ordering_note(gpus: Sequence[GPU], env: Mapping[str, str] | None = None) -> 
     )
 
 
-def visible_devices(gpus: Sequence[GPU] | None = None,
-                    env: Mapping[str, str] | None = None) -> list[VisibleDevice]:
+def visible_devices(gpus: Sequence[GPU] | None = None, env: Mapping[str, str] | None = None, *,
+                    warn: bool = True) -> list[VisibleDevice]:
     """The devices CUDA will show a process with environment ``env`` (default: this one).
 
-    Raises :class:`VisibleDevicesError` for an entry CUDA would silently stop at (garbage, an
+    Indices on a machine whose CUDA order differs from ``nvidia-smi``'s give a
+    :class:`DeviceOrderWarning` (once per process; ``warn=False`` for a caller that reports the
+    trap itself, as ``doctor`` does). Raises :class:`VisibleDevicesError` for an entry CUDA would silently stop at (garbage, an
     index or UUID that matches no GPU, an ambiguous short UUID, a duplicate).
     """
     if gpus is None:
@@ -151,10 +153,34 @@ def visible_devices(gpus: Sequence[GPU] | None = None,
         seen.add(device.uuid)
         result.append(VisibleDevice(len(result), device.gpu, device.mig))
     note = ordering_note(gpus, env)
-    if note and any(e.strip().isdigit() for e in raw.split(",")):
-        warnings.warn(f"{VISIBLE_ENV}={raw!r} uses indices but {note}", DeviceOrderWarning,
-                      stacklevel=2)
+    if warn and note and any(e.strip().isdigit() for e in raw.split(",")):
+        _warn_order(f"{VISIBLE_ENV}={raw!r} uses indices but {note}")
     return result
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_warned: set[str] = set()  # DeviceOrderWarning texts already given in this process
+
+
+def _warn_order(text: str) -> None:
+    """Warn once per distinct text per process, at the first caller outside devicekit.
+
+    One selection reaches this through several paths (``select_gpus``, each GPU's
+    ``Selection.devices`` ordinal, ``visible_devices``): the trap is one fact about the
+    environment, so the user sees it once, pointing at their own line, not devicekit's.
+    """
+    if text in _warned:
+        return
+    _warned.add(text)
+    warnings.warn(text, DeviceOrderWarning, stacklevel=_stacklevel_outside_devicekit())
+
+
+def _stacklevel_outside_devicekit() -> int:
+    """``stacklevel`` (for a ``warnings.warn`` in the caller) of the innermost frame not in devicekit."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _bad(raw: str, entry: str, before: Sequence[VisibleDevice], why: str) -> VisibleDevicesError:
@@ -285,8 +311,7 @@ def torch_ordinal(gpu: GPU | str, gpus: Sequence[GPU] | None = None,
     raw = env.get(VISIBLE_ENV)
     note = ordering_note(gpus, env)
     if note and raw is None:  # CUDA's FASTEST_FIRST numbering can only be estimated here
-        warnings.warn(f"cuda ordinal of {uuid} is estimated: {note}", DeviceOrderWarning,
-                      stacklevel=2)
+        _warn_order(f"cuda ordinal of {uuid} is estimated: {note}")
     for device in visible_devices(gpus, env):
         if _normalise(device.uuid) == _normalise(uuid):
             return device.ordinal

@@ -1,5 +1,7 @@
 """Explain an out-of-memory error in plain words: asked vs free, who else holds the GPU,
-which tensors are biggest, and the fixes ranked by how likely each is to help.
+which tensors are biggest, and the fixes ranked by how much memory each could recover (those
+that could not recover a meaningful share of the shortfall are left out). One allocation larger
+than the whole device (host RAM for the CPU) gets one plain answer instead.
 
 Figures come from the error message first (torch writes them at the moment of failure), then
 from the CUDA OOM observer's capture (:mod:`devicekit.memory.oom`), then from a usage snapshot
@@ -65,17 +67,18 @@ class OOMDiagnosis:
         if self.backend != "cpu":
             lines.append(f"  PyTorch:      {s(self.allocated)} in tensors, {s(self.reserved_unused)} "
                          f"reserved but unused (fragmentation/cache)")
-        if self.other_processes:
+        too_big = larger_than_device(self.requested, self.total)  # then only the plain answer matters
+        if self.other_processes and not too_big:
             lines.append("  other processes on this device:")
             for p in self.other_processes:
                 who = "".join(f" {x}" for x in (p.user and f"({p.user})", p.command) if x)
                 lines.append(f"    pid {p.pid}{who}: {s(p.memory)}")
-        if self.holders:
+        if self.holders and not too_big:
             lines.append("  biggest tensors:")
             for h in self.holders:
                 where = f" [{h.where}]" if h.where else ""
                 lines.append(f"    {format_size(h.bytes):>10}  {h.name} ({h.category}, {h.dtype} {list(h.shape)}){where}")
-        lines.append("  what to do, most likely to help first:")
+        lines.append("  what to do, most memory recovered first:")
         lines.extend(f"    {i}. {fix}" for i, fix in enumerate(self.fixes, 1))
         lines.append(f"  (figures: {self.source})")
         return "\n".join(lines)
@@ -120,7 +123,7 @@ def explain(
         unused = unused if unused is not None else row.reserved_unused
     others = _other_processes(facts, index, gpus) if backend == "cuda" else []
     diag_facts = OOMFacts(backend, requested, index, total, free, facts.allowed, None, allocated, unused)
-    fixes = _rank_fixes(diag_facts, others, holders)
+    fixes = _rank_fixes(diag_facts, device, others, holders, listing.by_category)
     return OOMDiagnosis(backend, device, requested, free, total, facts.allowed, allocated, unused, others,
                         holders, fixes, ", then ".join(sources), error=str(exc).split("\n")[0][:300])
 
@@ -170,49 +173,94 @@ def _other_processes(facts: OOMFacts, index: int, gpus: list[GPU] | None) -> lis
     return sorted(found.values(), key=lambda p: -(p.memory or 0))
 
 
-def _rank_fixes(f: OOMFacts, others: list[GPUProcess], holders: list[CensusEntry]) -> list[str]:
-    ranked: list[tuple[float, str]] = []
-    limit = f.allowed or f.total
-    asked = f.requested or 0
-    if f.backend == "cpu":
-        ranked.append((1, "host RAM is exhausted: lower the batch size, load data lazily (a Dataset that "
-                          "reads per item, memory-mapped files) and del large intermediate tensors"))
-    if asked and limit and asked > limit:
-        ranked.append((0, f"one allocation of {format_size(asked)} is larger than the device allows "
-                          f"({format_size(limit)}): shrink that tensor (batch size, sequence length, "
-                          f"image size) or shard it across devices"))
+#: a measured fix is offered only if it could recover at least this share of the shortfall
+MEANINGFUL_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class _Fix:
+    text: str
+    recovers: int  # bytes this fix could make available
+
+
+def larger_than_device(requested: int | None, total: int | None) -> bool:
+    """Whether one allocation exceeds the device's whole memory (host RAM for the CPU): then no
+    amount of freeing helps, and every other fix is noise."""
+    return requested is not None and total is not None and requested > total
+
+
+def _rank_fixes(f: OOMFacts, device: str, others: list[GPUProcess], holders: list[CensusEntry],
+                by_category: dict[str, int]) -> list[str]:
+    """Fixes that free memory, ranked by the bytes each could recover; those that could not
+    recover a meaningful share of the shortfall are left out. Advice whose effect cannot be
+    measured here (batch size, precision) follows."""
+    if larger_than_device(f.requested, f.total):
+        return [_too_big(f, device)]
+    shortfall = _shortfall(f)
+    measured = [fix for fix in _measured_fixes(f, others, holders, by_category)
+                if shortfall is None or fix.recovers >= MEANINGFUL_SHARE * shortfall]
+    measured.sort(key=lambda fix: -fix.recovers)
+    return [fix.text for fix in measured] + _general_fixes(f, shortfall)
+
+
+def _shortfall(f: OOMFacts) -> int | None:
+    """Bytes missing for the failed request: asked minus free, or all of it when free is unknown
+    or looks sufficient (fragmentation, a fraction limit)."""
+    if f.requested is None:
+        return None
+    if f.free is not None and f.free < f.requested:
+        return f.requested - f.free
+    return f.requested
+
+
+def _too_big(f: OOMFacts, device: str) -> str:
+    whole = "all of host RAM" if f.backend == "cpu" else f"the whole of {device}"
+    return (f"one allocation of {_size(f.requested)} is larger than {whole} ({_size(f.total)}): freeing "
+            f"memory cannot make it fit. Make that tensor smaller (a smaller batch or shape; "
+            f"dk.find_batch_size finds the largest batch that fits), split or shard it across devices "
+            f"(dk.split), or store it in lower precision (bfloat16 takes half of float32)")
+
+
+def _measured_fixes(f: OOMFacts, others: list[GPUProcess], holders: list[CensusEntry],
+                    by_category: dict[str, int]) -> list[_Fix]:
+    fixes: list[_Fix] = []
     other_bytes = sum(p.memory or 0 for p in others)
-    if others and f.total and other_bytes > 0.1 * f.total:
+    if other_bytes:
         names = ", ".join(f"pid {p.pid}" + (f" ({p.user})" if p.user else "") for p in others[:3])
-        ranked.append((0.5, f"other processes hold {format_size(other_bytes)} of this GPU ({names}): "
-                            f"pick a free GPU (`devicekit select`) or wait for them"))
-    if f.reserved_unused and (f.reserved_unused >= asked or
-                              (f.allocated and f.reserved_unused > 0.2 * f.allocated)):
+        fixes.append(_Fix(f"other processes hold {format_size(other_bytes)} of this GPU ({names}): "
+                          f"pick a free GPU (`devicekit select`) or wait for them", other_bytes))
+    if f.reserved_unused:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         advice = ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting"
                   if "expandable_segments:True" not in conf else
                   "expandable_segments is already on: call dk.empty_cache() between phases")
-        ranked.append((0.8, f"{format_size(f.reserved_unused)} is reserved by PyTorch but unused "
-                            f"(fragmentation): {advice}"))
+        fixes.append(_Fix(f"{format_size(f.reserved_unused)} is reserved by PyTorch but unused "
+                          f"(fragmentation): {advice}", f.reserved_unused))
     if f.allowed and f.total and f.allowed < f.total:
-        ranked.append((0.9, f"a memory fraction limit of {format_size(f.allowed)} is set "
-                            f"(torch.cuda.set_per_process_memory_fraction): raise it if this was not meant"))
+        fixes.append(_Fix(f"a memory fraction limit of {format_size(f.allowed)} is set "
+                          f"(torch.cuda.set_per_process_memory_fraction): raise it if this was not meant",
+                          f.total - f.allowed))
     loose = [h for h in holders if h.category not in ("parameter", "buffer", "gradient", "optimizer state")]
-    if loose and loose[0].bytes >= 0.05 * max(f.allocated or 0, 1):
+    if loose:
         h = loose[0]
-        ranked.append((2, f"`{h.name}` holds {format_size(h.bytes)}: `del` it (or move it to CPU) once used; "
-                          f"run dk.find_leaks if it grows every step"))
-    state = sum(h.bytes for h in holders if h.category == "optimizer state")
-    params = sum(h.bytes for h in holders if h.category == "parameter")
-    if state and state >= params:
-        ranked.append((4, "optimizer state outweighs the weights (Adam keeps two copies): a lighter "
-                          "optimizer (SGD, Adafactor) or an 8-bit optimizer saves most of it"))
-    if f.backend != "cpu":
-        ranked.append((3, "halve the batch size, or let dk.find_batch_size find the largest that fits "
-                          "(keep the effective batch with gradient accumulation)"))
-        ranked.append((3.5, "use mixed precision (torch.autocast with bfloat16) to halve activations; "
-                            "gradient checkpointing (torch.utils.checkpoint) trades compute for memory"))
-        ranked.append((5, "for evaluation, run under torch.no_grad() or torch.inference_mode() so no "
-                          "activations are kept"))
-    ranked.sort(key=lambda pair: pair[0])
-    return [text for _, text in ranked]
+        fixes.append(_Fix(f"`{h.name}` holds {format_size(h.bytes)}: `del` it (or move it to CPU) once used; "
+                          f"run dk.find_leaks if it grows every step", h.bytes))
+    state = by_category.get("optimizer state", 0)
+    if state and state >= by_category.get("parameter", 0):
+        fixes.append(_Fix(f"optimizer state holds {format_size(state)}, more than the weights (Adam keeps "
+                          f"two copies): a lighter optimizer (SGD, Adafactor) or an 8-bit optimizer saves "
+                          f"most of it", state))
+    return fixes
+
+
+def _general_fixes(f: OOMFacts, shortfall: int | None) -> list[str]:
+    if f.backend == "cpu":
+        short = f"host RAM is {format_size(shortfall)} short" if shortfall else "host RAM ran out"
+        return [f"{short}: lower the batch size, load data lazily (a Dataset that reads per item, "
+                "memory-mapped files) and del large intermediate tensors"]
+    return ["halve the batch size, or let dk.find_batch_size find the largest that fits "
+            "(keep the effective batch with gradient accumulation)",
+            "use mixed precision (torch.autocast with bfloat16) to halve activations; "
+            "gradient checkpointing (torch.utils.checkpoint) trades compute for memory",
+            "for evaluation, run under torch.no_grad() or torch.inference_mode() so no "
+            "activations are kept"]
