@@ -11,12 +11,23 @@ The recorded tables, with the machine they ran on, live in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+#: the libraries the benchmarks measure devicekit against (pyproject's extra ``bench``)
+ANCHORS = ("accelerate", "lightning", "GPUtil", "gpustat", "pytorch_memlab")
+
+
+def missing_anchors(names: tuple[str, ...] | None = None) -> list[str]:
+    """The anchor modules (default :data:`ANCHORS`) that cannot be imported here, found
+    without importing them."""
+    return [name for name in (ANCHORS if names is None else names)
+            if importlib.util.find_spec(name) is None]
 
 
 def main(argv: list[str]) -> int:
@@ -25,6 +36,11 @@ def main(argv: list[str]) -> int:
     if wanted and not scripts:
         print(f"no benchmark named {sorted(wanted)}; have: "
               f"{', '.join(p.stem for p in sorted(HERE.glob('bench_*.py')))}", file=sys.stderr)
+        return 1
+    missing = missing_anchors()
+    if missing:
+        print(f"run_all: missing benchmark anchors: {', '.join(missing)}; install them with "
+              "'make bench' or \"pip install -e '.[bench]'\"", file=sys.stderr)
         return 1
     failed = []
     for script in scripts:

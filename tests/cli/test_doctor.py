@@ -120,3 +120,66 @@ def test_no_torch_option_imports_no_torch(simulate):
     assert done.stderr.strip() == "False 0", done.stderr
     assert [c["name"] for c in json.loads(done.stdout)["checks"]] == [
         n for n in NAMES if n not in ("torch", "nccl")]
+
+
+def test_each_check_is_printed_as_soon_as_it_has_run(simulate, capsys, monkeypatch):
+    from devicekit.hardware import checks as checks_module
+
+    simulate([h100()])
+    seen: list[str] = []
+    real = checks_module.check_lease_dir
+
+    def lease_dir_noting_what_is_shown():
+        seen.append(capsys.readouterr().out)
+        return real()
+
+    monkeypatch.setattr(checks_module, "check_lease_dir", lease_dir_noting_what_is_shown)
+    code, out, _ = run_cli(capsys, "--no-torch")
+    assert code == 0
+    shown = [line.split()[1] for line in seen[0].splitlines()]
+    assert shown == ["nvml", "gpus", "cuda_device_order", "cuda_visible_devices"]
+    assert [line.split()[1] for line in out.strip().splitlines()[:2]] == ["lease_dir", "launcher"]
+
+
+def test_terminal_gets_coloured_statuses(simulate, tmp_path):
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    from tests.parallel.conftest import child_env
+
+    path = simulate([h100(), A100])  # mixed models: a WARN line
+    env = child_env(DEVICEKIT_SIMULATE=str(path), TERM="xterm-256color", COLUMNS="200")
+    env.pop("NO_COLOR", None)
+    primary, secondary = pty.openpty()
+    child = None
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "devicekit", "doctor", "--no-torch"],
+                                 stdin=subprocess.DEVNULL, stdout=secondary,
+                                 stderr=subprocess.PIPE, env=env)
+        os.close(secondary)
+        chunks = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not select.select([primary], [], [], 1)[0]:
+                continue
+            try:
+                data = os.read(primary, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert child.wait(timeout=5) == 0
+    finally:
+        os.close(primary)
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+    text = b"".join(chunks).decode()
+    assert re.search(r"\x1b\[[0-9;]*33m[^\x1b]*WARN", text), text  # yellow WARN
+    assert re.search(r"\x1b\[[0-9;]*32m[^\x1b]*PASS", text), text  # green PASS
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    assert "running checks" in plain

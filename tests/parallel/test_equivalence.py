@@ -120,3 +120,28 @@ def test_bad_input_is_named() -> None:
 
 def test_no_process_group_left_behind() -> None:
     assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_progress_is_shown_on_stderr_while_the_parallel_step_runs(monkeypatch, capsys) -> None:
+    from devicekit.parallel import equivalence
+
+    class Stop(Exception):
+        pass
+
+    seen: list[str] = []
+
+    def parallel_step(*_args: Any) -> Any:
+        seen.append(capsys.readouterr().err)
+        raise Stop
+
+    monkeypatch.setattr(equivalence, "_run_parallel", parallel_step)
+    with pytest.raises(Stop):
+        dk.check_equivalence(build, _batch(), nn.MSELoss(), world_size=2)
+    assert seen == ["check_equivalence: running the ddp step on 2 rank(s), then one process...\n"]
+
+
+def test_progress_reports_the_time_when_done(capsys) -> None:
+    dk.check_equivalence(build, _batch(), nn.MSELoss(), parallel=averaged_correctly)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("check_equivalence: running the averaged_correctly step")
+    assert lines[-1].startswith("check_equivalence: parallel step done in ")

@@ -273,3 +273,32 @@ def test_ctrl_c_on_a_terminal_stops_every_process(tmp_path: Path, no_leftover_ch
     assert foreground == "True"  # the command owns the terminal (pdb, input() work)
     assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT, output
     assert not psutil.pid_exists(int(child)) or psutil.Process(int(child)).status() == psutil.STATUS_ZOMBIE
+
+
+def test_omp_threads_set_deliberately_for_several_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devicekit.parallel.run import RunRequest, plan_run
+    from devicekit.parallel.threads import omp_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    plan = plan_run(RunRequest(procs=2, command=["train.py"]), environ={"PATH": "/usr/bin"})
+    assert plan.env["OMP_NUM_THREADS"] == "4" == str(omp_threads(2))
+    assert [n for n in plan.notes if "OMP_NUM_THREADS" in n] == [
+        "OMP_NUM_THREADS=4 (8 usable cores / 2 processes; set OMP_NUM_THREADS to choose)"]
+    mine = plan_run(RunRequest(procs=2, command=["train.py"]),
+                    environ={"PATH": "/usr/bin", "OMP_NUM_THREADS": "3"})
+    assert mine.env["OMP_NUM_THREADS"] == "3"
+    assert not any("OMP_NUM_THREADS" in n for n in mine.notes)
+
+
+def test_no_torchrun_omp_banner_and_the_ranks_get_the_value() -> None:
+    env = child_env()
+    env.pop("OMP_NUM_THREADS", None)
+    done = subprocess.run(
+        devicekit_command("run", "--procs", "2", "--", sys.executable, "-c",
+                          "import os; print('threads', os.environ['OMP_NUM_THREADS'])"),
+        env=env, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "Setting OMP_NUM_THREADS" not in done.stderr and "*****" not in done.stderr
+    assert done.stderr.count("devicekit run: OMP_NUM_THREADS=") == 1
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert done.stdout.split().count(str(expected)) == 2, done.stdout

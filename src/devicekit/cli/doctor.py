@@ -1,6 +1,7 @@
 """``devicekit doctor``: pass/warn/fail lines for the driver, torch, NCCL, variables and leases.
 
-Formatting only: the checks live in :mod:`devicekit.hardware.checks`. Exit code 0 when nothing
+Each check is printed as soon as it has run; on a terminal the status is coloured and a
+status line shows while checks run. Formatting only: the checks live in :mod:`devicekit.hardware.checks`. Exit code 0 when nothing
 failed (warnings allowed), 1 when any check failed. ``--json`` prints
 ``{"schema": 1, "ok": ..., "summary": {...}, "checks": [{"name", "status", "message"}]}``.
 
@@ -14,8 +15,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from devicekit.hardware.checks import Check
 
 __all__ = ["command"]
 
@@ -23,6 +29,33 @@ __all__ = ["command"]
 SCHEMA_VERSION = 1
 
 _STYLES = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "bright_black"}
+#: the longest check name (``cuda_visible_devices``): lines align before all checks have run
+_NAME_WIDTH = 20
+
+
+def _line(check: Check) -> str:
+    return f"{check.status.upper():4}  {check.name:<{_NAME_WIDTH}}  {check.message}"
+
+
+def _print_as_they_run(checks: Iterable[Check]) -> list[Check]:
+    """Print each check as it completes; on a terminal coloured, under a status line (rich)."""
+    done: list[Check] = []
+    if not sys.stdout.isatty():
+        for check in checks:
+            click.echo(_line(check))
+            done.append(check)
+        return done
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False, soft_wrap=True)
+    with console.status("doctor: running checks (torch and NCCL take a few seconds)"):
+        for check in checks:
+            status = f"{check.status.upper():4}"
+            rest = escape(_line(check)[len(status):])
+            console.print(f"[bold {_STYLES[check.status]}]{status}[/]{rest}")
+            done.append(check)
+    return done
 
 
 @click.command(name="doctor")
@@ -35,25 +68,21 @@ def command(as_json: bool, no_torch: bool) -> int:
     Each line is PASS, WARN, FAIL or SKIP (not applicable) and says what to do.
     Exit codes: 0 no check failed; 1 at least one failed.
     """
-    from devicekit.hardware.checks import run_checks, summarize
+    from devicekit.hardware.checks import iter_checks, run_checks, summarize
 
-    checks = run_checks(torch=not no_torch)
-    summary = summarize(checks)
-    ok = summary["fail"] == 0
     if as_json:
+        checks = run_checks(torch=not no_torch)
+        summary = summarize(checks)
         click.echo(json.dumps({
             "schema": SCHEMA_VERSION,
-            "ok": ok,
+            "ok": summary["fail"] == 0,
             "summary": summary,
             "checks": [c.to_dict() for c in checks],
         }, indent=2))
     else:
-        width = max(len(c.name) for c in checks)
-        color = sys.stdout.isatty()
-        for check in checks:
-            label = click.style(f"{check.status.upper():4}", fg=_STYLES[check.status], bold=True) \
-                if color else f"{check.status.upper():4}"
-            click.echo(f"{label}  {check.name:<{width}}  {check.message}")
+        checks = _print_as_they_run(iter_checks(torch=not no_torch))
+        summary = summarize(checks)
         counts = ", ".join(f"{summary[s]} {s}" for s in ("pass", "warn", "fail", "skip"))
         click.echo(f"\n{counts}")
+    ok = summary["fail"] == 0
     return 0 if ok else 1

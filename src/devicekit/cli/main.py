@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -52,6 +53,16 @@ class LazyGroup(click.Group):
             return None
         module = importlib.import_module(entry[0])
         return module.command
+
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        """Like click's, but an unknown name that is close to a command says which one."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in COMMANDS:
+            close = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            ctx.fail(f"no such command '{name}'{hint}")
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]

@@ -17,7 +17,7 @@ Usage::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ __all__ = [
     "Inventory",
     "take_inventory",
     "run_checks",
+    "iter_checks",
     "check_backend",
     "check_gpus",
     "check_device_order",
@@ -230,22 +231,26 @@ def check_lease_dir() -> Check:
 
 def run_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> list[Check]:
     """Run every check; ``torch=False`` leaves out the (slow to import) torch and NCCL checks."""
+    return list(iter_checks(env, torch=torch))
+
+
+def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> Iterator[Check]:
+    """The checks of :func:`run_checks`, each yielded as soon as it has run (to show progress)."""
     from devicekit.hardware.launcher_checks import check_launcher
 
     env = os.environ if env is None else env
     inv = take_inventory()
-    checks: list[Check] = [check_backend(inv), check_gpus(inv)]
+    yield check_backend(inv)
+    yield check_gpus(inv)
     if torch:
         from devicekit.hardware.torch_checks import check_nccl, check_torch_build
 
-        checks += [check_torch_build(inv), check_nccl()]
-    checks += [
-        check_device_order(inv, env),
-        check_visible_devices(inv, env),
-        check_lease_dir(),
-        check_launcher(env, visible_gpus=_visible_count(inv, env)),
-    ]
-    return checks
+        yield check_torch_build(inv)
+        yield check_nccl()
+    yield check_device_order(inv, env)
+    yield check_visible_devices(inv, env)
+    yield check_lease_dir()
+    yield check_launcher(env, visible_gpus=_visible_count(inv, env))
 
 
 def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:

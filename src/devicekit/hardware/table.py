@@ -10,6 +10,8 @@ Usage::
 
     dk.show_utilization()                       # to stdout
     dk.show_utilization(all_processes=False)    # GPUs only
+    dk.show_utilization(compact=True)           # one line per GPU
+    dk.show_utilization(this_process=True, label=f"step {step}")  # one line: this process
     with open("gpus.txt", "w") as f:
         dk.show_utilization(file=f)
 """
@@ -34,8 +36,35 @@ __all__ = ["show_utilization", "render_status"]
 _COMMAND_WIDTH = 60
 
 
-def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True) -> None:
-    """Print the table for this machine now (to ``file``, default stdout)."""
+def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True,
+                     compact: bool = False, this_process: bool = False,
+                     label: str | None = None) -> None:
+    """Print the table for this machine now (to ``file``, default stdout).
+
+    ``compact=True``: one line per GPU instead of the table (no torch import).
+    ``this_process=True``: one line for this process's devices (torch's allocated, reserved and
+    peak, plus the GPU's used / total from NVML), cheap enough to call every step.
+    ``label`` (compact forms only) goes in front of each line, e.g. ``label=f"step {step}"``.
+    """
+    import sys
+
+    if compact or this_process:
+        if this_process:
+            from devicekit.memory.usage_line import process_line
+
+            lines = [process_line(label)]
+        else:
+            from devicekit.hardware.compact import gpu_lines
+
+            lines = gpu_lines(label)
+        out = file if file is not None else sys.stdout
+        out.write("".join(f"{line}\n" for line in lines))
+        out.flush()
+        return
+    if label is not None:
+        from devicekit.errors import InvalidValueError
+
+        raise InvalidValueError("label= goes with compact=True or this_process=True, not the table")
     from rich.console import Console
 
     from devicekit.hardware.status import collect_status

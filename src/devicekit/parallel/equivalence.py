@@ -28,7 +28,10 @@ A callable ``parallel(model, batch, loss_fn)`` runs one step its own way startin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +278,20 @@ def _diagnose(par: Grads, ref: Grads, shards: list[Grads], world: int, model: nn
             f"weights, sees its own shard, and runs the same forward", ratio)
 
 
+@contextlib.contextmanager
+def _progress(what: str, enabled: bool) -> Iterator[None]:
+    """One stderr line when the (seconds-long: processes start, torch imports) run begins and
+    one when it ends, so a long check does not look hung."""
+    if not enabled:
+        yield
+        return
+    start = time.monotonic()
+    print(f"check_equivalence: running the {what}...", file=sys.stderr, flush=True)
+    yield
+    print(f"check_equivalence: parallel step done in {time.monotonic() - start:.1f} s",
+          file=sys.stderr, flush=True)
+
+
 def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
                       loss_fn: Callable[..., torch.Tensor], *,
                       parallel: str | Callable[..., Any] = "ddp", world_size: int | None = None,
@@ -333,8 +350,11 @@ def check_equivalence(model_fn: Callable[[], nn.Module], batch: tuple[Any, Any],
                 dist.broadcast(tensor, src=0)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
-    parallel_grads, shard_count, label = _run_parallel(
-        parallel, model_fn, state, (inputs, targets), loss_fn, world_size, seed, timeout)
+    name = parallel if isinstance(parallel, str) else getattr(parallel, "__name__", "parallel")
+    loud = not in_job or dist.get_rank() == 0
+    with _progress(f"{name} step on {world_size} rank(s), then one process", loud):
+        parallel_grads, shard_count, label = _run_parallel(
+            parallel, model_fn, state, (inputs, targets), loss_fn, world_size, seed, timeout)
 
     torch.manual_seed(seed)
     _step(reference, inputs, targets, loss_fn)

@@ -48,6 +48,7 @@ from devicekit.parallel.allocation import Allocation, devices_mode, plan_process
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
 from devicekit.parallel.rank_process import STACK_SIGNAL, rank_main
+from devicekit.parallel.threads import omp_threads
 
 __all__ = ["launch", "free_port", "STOP_GRACE_SECONDS"]
 
@@ -163,7 +164,7 @@ class _Job:
         elif self.hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
         if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, _usable_cores() // self.world))
+            env["OMP_NUM_THREADS"] = str(omp_threads(self.world))
         return env
 
     def stack_path(self, rank: int) -> str:
@@ -403,13 +404,6 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
 def _in_collective(text: str) -> bool:
     """True for a traceback that goes through torch.distributed (most likely a broken collective)."""
     return "torch/distributed" in text.replace("\\", "/")
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _innermost_frame(stack: str) -> str:

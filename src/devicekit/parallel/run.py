@@ -38,6 +38,7 @@ from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.base import DEFAULT_PORT, check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
+from devicekit.parallel.threads import omp_threads, usable_cores
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
 
@@ -121,6 +122,12 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
                 f"master address {addr} is loopback: all {request.nnodes} nodes must run on this"
                 " host (a rehearsal); use the master's host name for real machines"
             )
+        if allocation.nprocs > 1 and "OMP_NUM_THREADS" not in env:
+            # deliberately, instead of torchrun's banner in every run setting it to 1
+            threads = omp_threads(allocation.nprocs)
+            env["OMP_NUM_THREADS"] = str(threads)
+            notes.append(f"OMP_NUM_THREADS={threads} ({usable_cores()} usable cores /"
+                         f" {allocation.nprocs} processes; set OMP_NUM_THREADS to choose)")
         argv = [
             sys.executable, "-m", TORCHRUN_ENTRY,  # torchrun, with the ranks' exit codes kept
             "--nnodes", str(request.nnodes),
