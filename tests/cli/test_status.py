@@ -176,3 +176,48 @@ def test_watch_stops_cleanly_on_ctrl_c(two):
             proc.communicate(timeout=10)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and err == ""
+
+
+def test_watch_on_a_terminal_shows_the_hint_and_restores_it_on_sigterm(two):
+    """A live view killed by SIGTERM (timeout, kill, a job scheduler) used to die mid-frame with
+    the cursor hidden and the prompt on its last line; it now ends like Ctrl-C."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "devicekit", "status", "--watch", "0.2"],
+                            env=dict(_child_env(), TERM="xterm", COLUMNS="120"),
+                            stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    seen = b""
+
+    def read_until(done, seconds: float) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + seconds
+        with selectors.DefaultSelector() as sel:
+            sel.register(leader, selectors.EVENT_READ)
+            while not done() and time.monotonic() < deadline:
+                if sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                    try:
+                        chunk = os.read(leader, 65536)
+                    except OSError:  # the child closed the terminal
+                        return
+                    if not chunk:
+                        return
+                    seen += chunk
+
+    try:
+        read_until(lambda: b"Ctrl-C to quit" in seen, 30)
+        assert b"Ctrl-C to quit" in seen, seen[-400:]
+        mark = len(seen)
+        proc.send_signal(signal.SIGTERM)
+        read_until(lambda: proc.poll() is not None, 15)
+        proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        os.close(leader)
+    assert proc.returncode == 0
+    tail = seen[mark:]
+    assert b"\x1b[?25h" in tail  # the cursor comes back
+    assert b"Traceback" not in seen

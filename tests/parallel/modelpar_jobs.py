@@ -121,14 +121,35 @@ def _store(rank: int, world: int, out: str) -> dist.TCPStore:
 def run(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     result: dict = {}
+    store = None
     try:
-        dist.init_process_group("gloo", store=_store(rank, world, out), rank=rank, world_size=world)
+        store = _store(rank, world, out)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         result["ddp_of_split"] = ddp_of_split(rank, world)
         result["pipeline_stage"] = pipeline_stage(rank, world)
         result["refusal"] = refusal_reaches_every_rank(rank, world)
+        dist.barrier()  # no rank tears its group down while another still talks to it
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        _close(store, rank, world)
+
+
+def _close(store: dist.TCPStore | None, rank: int, world: int) -> None:
+    """Rank 0 serves the store: it closes last, after every other rank said it is done, and
+    before interpreter exit (a store server torn down by exit-time destructors while a
+    client's connection closes aborted rank 0 with 'terminate called without an active
+    exception' on a loaded machine)."""
+    if store is None:
+        return
+    try:
+        store.add("closed", 1)
+        if rank == 0:
+            deadline = time.monotonic() + 30
+            while store.add("closed", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except Exception:  # a rank that died took its part of the handshake with it
+        pass  # the store itself is freed when run() returns, before interpreter exit

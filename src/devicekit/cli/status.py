@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import signal
 import math
 import time
 from collections.abc import Iterator
@@ -69,6 +70,7 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
         else:
             _console().print(_render(report, no_processes))
         return
+    previous = signal.signal(signal.SIGTERM, _stop_watching)  # kill/timeout end it like Ctrl-C
     try:
         if as_json:
             _watch_json(watch, count)
@@ -76,6 +78,14 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
             _watch_table(watch, count, no_processes)
     except KeyboardInterrupt:  # Ctrl-C is how a watch ends: a clean exit, no traceback
         return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_watching(signum: int, frame: Any) -> None:
+    """SIGTERM during a watch: unwind like Ctrl-C, so the live view restores the terminal
+    (cursor shown, the prompt on a fresh line) instead of dying mid-frame."""
+    raise KeyboardInterrupt
 
 
 def _console() -> Any:  # a rich Console (rich is imported lazily)
@@ -122,9 +132,16 @@ def _watch_table(seconds: float, count: int | None, no_processes: bool) -> None:
                 console.print()
             console.print(_render(collect_status(), no_processes))
         return
-    with Live(_render(collect_status(), no_processes), console=console,
-              auto_refresh=False, transient=False) as live:
+    from rich.console import Group
+    from rich.text import Text
+
+    hint = Text(f"refreshing every {seconds:g} s; Ctrl-C to quit", style="dim")
+
+    def view() -> Any:
+        return Group(_render(collect_status(), no_processes), hint)
+
+    with Live(view(), console=console, auto_refresh=False, transient=False) as live:
         for frame in _frames(count):
             if frame:
                 time.sleep(seconds)
-                live.update(_render(collect_status(), no_processes), refresh=True)
+                live.update(view(), refresh=True)
