@@ -15,8 +15,8 @@ Usage::
 from __future__ import annotations
 
 import json
-import signal
 import math
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
