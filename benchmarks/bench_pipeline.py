@@ -41,10 +41,14 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit.parallel.balance import max_over_mean, part_costs
-from devicekit.parallel.layer_profile import optimizer_factor, profile_layers, sequential_layers
-from devicekit.parallel.schedule import bubble_fraction, clock_cycles
-from devicekit.parallel.split import build_plan
+from devicekit.modelparallel.balance import max_over_mean, part_costs
+from devicekit.modelparallel.layer_profile import (
+    optimizer_factor,
+    profile_layers,
+    sequential_layers,
+)
+from devicekit.modelparallel.schedule import bubble_fraction, clock_cycles
+from devicekit.modelparallel.split import build_plan
 
 ROUNDS = 9
 

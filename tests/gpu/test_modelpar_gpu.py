@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from tests.parallel.modelpar_models import (
+from tests.modelparallel.modelpar_models import (
     MODELS,
     assert_same_grads,
     loss_of,
@@ -100,7 +100,7 @@ def test_copies_wait_for_the_producing_stream() -> None:
 
 
 def test_copy_streams_are_side_streams_and_ordered() -> None:
-    from devicekit.parallel.copy_streams import CopyStreams, mark
+    from devicekit.modelparallel.copy_streams import CopyStreams, mark
 
     device = torch.device("cuda:0")
     streams = CopyStreams()
@@ -118,7 +118,7 @@ def test_copy_streams_are_side_streams_and_ordered() -> None:
 def test_copy_stream_between_two_gpus() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    from devicekit.parallel.copy_streams import CopyStreams, mark
+    from devicekit.modelparallel.copy_streams import CopyStreams, mark
 
     streams = CopyStreams()
     x = torch.randn(256, 256, device="cuda:0")

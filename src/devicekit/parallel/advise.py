@@ -189,7 +189,7 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, 
 
 
 def _split_row(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, int]]) -> Strategy:
-    from devicekit.parallel.plan import plan_devices
+    from devicekit.modelparallel.plan import plan_devices
 
     memory = {f"cuda:{i}": u for i, (_, u) in enumerate(budgets)}
     try:

@@ -31,16 +31,16 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
-from devicekit.parallel.balance import balance_cost
-from devicekit.parallel.device_list import parse_devices
-from devicekit.parallel.layer_profile import (
+from devicekit.modelparallel.balance import balance_cost
+from devicekit.modelparallel.device_list import parse_devices
+from devicekit.modelparallel.layer_profile import (
     LayerCost,
     optimizer_factor,
     profile_layers,
     sequential_layers,
 )
-from devicekit.parallel.microbatch import move
-from devicekit.parallel.partition import Part, Plan
+from devicekit.modelparallel.microbatch import move
+from devicekit.modelparallel.partition import Part, Plan
 
 __all__ = ["split", "SplitModel", "build_plan", "check_counts", "make_parts"]
 

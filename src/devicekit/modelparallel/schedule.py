@@ -3,13 +3,13 @@
 With ``m`` micro-batches and ``n`` stages there are ``m + n - 1`` ticks; at tick ``k`` stage
 ``j`` works on micro-batch ``k - j``. The pipeline fills for ``n - 1`` ticks and drains for
 ``n - 1`` ticks, so with equal stages each one idles a fraction ``(n - 1) / (m + n - 1)`` of
-the time (the "bubble"): more micro-batches, smaller bubble. :class:`~devicekit.parallel.pipeline.Pipeline`
+the time (the "bubble"): more micro-batches, smaller bubble. :class:`~devicekit.modelparallel.pipeline.Pipeline`
 keeps this order without a barrier per tick: each stage takes micro-batch ``i`` once the stage
-before has finished it (:mod:`devicekit.parallel.worker`).
+before has finished it (:mod:`devicekit.modelparallel.worker`).
 
 Usage::
 
-    from devicekit.parallel.schedule import clock_cycles, bubble_fraction
+    from devicekit.modelparallel.schedule import clock_cycles, bubble_fraction
 
     list(clock_cycles(3, 2))   # [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
     bubble_fraction(8, 2)      # 1/9

@@ -3,11 +3,11 @@
 A thin layer over :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, RNG state
 preserved, so dropout draws the same mask twice) that also tells layers whether they are running
 for the first time or being recomputed during backward: :func:`is_recomputing` lets
-:class:`~devicekit.parallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
+:class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
 
 Usage::
 
-    from devicekit.parallel.recompute import checkpointed, is_recomputing
+    from devicekit.modelparallel.recompute import checkpointed, is_recomputing
 
     out = checkpointed(part, x)   # like part(x), but activations are recomputed on backward
 """

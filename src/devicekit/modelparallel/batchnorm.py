@@ -10,7 +10,7 @@ Recomputation under activation checkpointing is not counted twice.
 
 Usage::
 
-    from devicekit.parallel.batchnorm import DeferredBatchNorm
+    from devicekit.modelparallel.batchnorm import DeferredBatchNorm
 
     model = DeferredBatchNorm.convert(model)    # BatchNorm{1,2,3}d -> DeferredBatchNorm, same tensors
     for micro in micro_batches:
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from devicekit.parallel.recompute import is_recomputing
+from devicekit.modelparallel.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
 

@@ -11,7 +11,7 @@ Usage::
 
     import torch
     from torch import nn
-    from devicekit.parallel.layer_profile import profile_layers, sequential_layers
+    from devicekit.modelparallel.layer_profile import profile_layers, sequential_layers
 
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(16)])

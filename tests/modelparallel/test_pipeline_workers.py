@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from tests.parallel.modelpar_models import MODELS, cnn_bn, sample_for
+from tests.modelparallel.modelpar_models import MODELS, cnn_bn, sample_for
 
 
 def stage_threads() -> list[threading.Thread]:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import devicekit as dk
-from devicekit.parallel.schedule import bubble_fraction, clock_cycles
-from tests.parallel.modelpar_models import (
+from devicekit.modelparallel.schedule import bubble_fraction, clock_cycles
+from tests.modelparallel.modelpar_models import (
     MODELS,
     assert_same_grads,
     cnn_bn,
@@ -232,7 +232,7 @@ def test_namedtuples_and_dicts_keep_their_type_through_split_and_pipeline() -> N
         torch.testing.assert_close(got["out"], want["out"])
     pipe.close()
     batch = {"p": Pair(torch.ones(4, 2), torch.zeros(4, 2)), "flag": True}
-    from devicekit.parallel.microbatch import gather, scatter
+    from devicekit.modelparallel.microbatch import gather, scatter
 
     parts = scatter(batch, 2)
     assert [type(p["p"]) for p in parts] == [Pair, Pair] and parts[0]["flag"] is True

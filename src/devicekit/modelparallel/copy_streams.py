@@ -7,11 +7,11 @@ per device that first waits for that event, then its own compute stream waits fo
 on are ``record_stream``-ed, so the caching allocator does not hand their memory out while a
 copy or a computation still reads it. The copies are ordinary ``Tensor.to`` calls, so autograd
 tracks them (backward runs on the same streams, with torch's own stream synchronisation).
-On CPU, or with no CUDA tensor involved, everything reduces to :func:`~devicekit.parallel.microbatch.move`.
+On CPU, or with no CUDA tensor involved, everything reduces to :func:`~devicekit.modelparallel.microbatch.move`.
 
 Usage::
 
-    from devicekit.parallel.copy_streams import CopyStreams, mark
+    from devicekit.modelparallel.copy_streams import CopyStreams, mark
 
     marks = mark(y)                              # in the producer's thread, after computing y
     streams = CopyStreams()                      # one per receiving stage
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from devicekit.parallel.microbatch import move
+from devicekit.modelparallel.microbatch import move
 
 __all__ = ["CopyStreams", "Marks", "mark", "tensors_in"]
 

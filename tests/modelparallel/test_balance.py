@@ -8,7 +8,7 @@ import random
 import pytest
 
 from devicekit.errors import InvalidValueError
-from devicekit.parallel.balance import balance_cost, fit_capacities, max_over_mean, part_costs
+from devicekit.modelparallel.balance import balance_cost, fit_capacities, max_over_mean, part_costs
 
 
 def brute_best(costs: list[int], parts: int) -> int:

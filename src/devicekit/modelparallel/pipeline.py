@@ -4,24 +4,24 @@ Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``
 worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
 stage ``j`` works on micro-batch ``k - j``), so while the second device works on the first
 micro-batch the first device starts the second. The stage threads start with the first call and
-serve every later one (:mod:`devicekit.parallel.worker`); :meth:`Pipeline.close` (or ``with
+serve every later one (:mod:`devicekit.modelparallel.worker`); :meth:`Pipeline.close` (or ``with
 Pipeline(...) as pipe:``, or garbage collection) stops them, and a stage that raises leaves no
 thread behind. With one micro-batch, or one stage, nothing can overlap and the parts run in the
-calling thread, as :func:`~devicekit.parallel.split.split` does. Between CUDA devices
+calling thread, as :func:`~devicekit.modelparallel.split.split` does. Between CUDA devices
 activations are copied on a side copy stream per device
-(:mod:`devicekit.parallel.copy_streams`). Outputs are joined, so ``loss.backward()``
+(:mod:`devicekit.modelparallel.copy_streams`). Outputs are joined, so ``loss.backward()``
 gives the same gradients as the unsplit model (models whose layers treat samples
 independently; BatchNorm normalises per micro-batch, see below). Options:
 
 * ``checkpoint``: ``"except_last"`` (default, as torchgpipe), ``"always"`` or ``"never"``:
   checkpointed micro-batches keep only their part's input and recompute the rest on backward.
-* BatchNorm layers become :class:`~devicekit.parallel.batchnorm.DeferredBatchNorm` (same
+* BatchNorm layers become :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` (same
   tensors): running statistics are updated once per mini-batch with the whole mini-batch's
   statistics, as a non-pipelined run would. ``deferred_batch_norm=False`` keeps plain BatchNorm.
 
 On CPU (``["cpu", "cpu"]``) the forward passes overlap in threads; the backward pass runs in
 torch's autograd engine, which runs CPU work on the calling thread (on GPUs it has one thread
-per device). For processes and machines see :func:`devicekit.parallel.stages.pipeline_stage`.
+per device). For processes and machines see :func:`devicekit.modelparallel.stages.pipeline_stage`.
 
 Usage::
 
@@ -46,13 +46,13 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.parallel.batchnorm import DeferredBatchNorm
-from devicekit.parallel.microbatch import gather, move, scatter
-from devicekit.parallel.partition import Plan
-from devicekit.parallel.recompute import CHECKPOINT_MODES, checkpoint_stop, checkpointed
-from devicekit.parallel.schedule import bubble_fraction
-from devicekit.parallel.split import Balance, make_parts, resolve
-from devicekit.parallel.worker import StageWorkers
+from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+from devicekit.modelparallel.microbatch import gather, move, scatter
+from devicekit.modelparallel.partition import Plan
+from devicekit.modelparallel.recompute import CHECKPOINT_MODES, checkpoint_stop, checkpointed
+from devicekit.modelparallel.schedule import bubble_fraction
+from devicekit.modelparallel.split import Balance, make_parts, resolve
+from devicekit.modelparallel.worker import StageWorkers
 
 __all__ = ["Pipeline", "PipelineRun"]
 

@@ -7,14 +7,14 @@ to the next stage's queue, so stage ``j`` works on micro-batch ``i`` once stage 
 finished it and it has finished micro-batch ``i - 1``: GPipe's clock order, without waking the
 caller between ticks. Tasks run with the caller's grad mode, inference mode and autocast state (thread-local in
 torch), on the stage's CUDA device; between CUDA devices activations move on side copy streams
-(:mod:`devicekit.parallel.copy_streams`). Busy time is measured per stage. An error stops the
+(:mod:`devicekit.modelparallel.copy_streams`). Busy time is measured per stage. An error stops the
 call's remaining work and is re-raised in the caller with its traceback, after every stage is
 done with the call. Threads are daemons and stop on :meth:`StageWorkers.close`, or when the
 ``StageWorkers`` object is garbage-collected (their loop holds no reference to it).
 
 Usage::
 
-    from devicekit.parallel.worker import StageWorkers
+    from devicekit.modelparallel.worker import StageWorkers
 
     workers = StageWorkers(devices)
     outputs, busy = workers.run(lambda stage, i, x: parts[stage](x), micro_batches)
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from devicekit.parallel.copy_streams import CopyStreams, Marks, mark, tensors_in
+from devicekit.modelparallel.copy_streams import CopyStreams, Marks, mark, tensors_in
 
 __all__ = ["StageWorkers"]
 

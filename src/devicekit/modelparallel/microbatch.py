@@ -11,7 +11,7 @@ activation stays a namedtuple between stages.
 Usage::
 
     import torch
-    from devicekit.parallel.microbatch import scatter, gather, move
+    from devicekit.modelparallel.microbatch import scatter, gather, move
 
     parts = scatter(torch.arange(10), chunks=4)   # sizes 3, 3, 3, 1
     gather(parts)                                 # tensor([0, ..., 9])

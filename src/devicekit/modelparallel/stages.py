@@ -3,7 +3,7 @@
 Every process builds the same model and calls :func:`pipeline_stage`; process ``rank`` of the
 group keeps part ``rank`` of the plan on its own ``device`` and wraps it in torch's
 ``PipelineStage``; the returned object's ``step`` runs torch's ``ScheduleGPipe`` (fill/drain,
-as :class:`~devicekit.parallel.pipeline.Pipeline` does in one process). The plan is computed
+as :class:`~devicekit.modelparallel.pipeline.Pipeline` does in one process). The plan is computed
 on the group's first rank and broadcast, so all ranks cut the model identically even when
 ``balance="time"`` measures differently per machine. Activations and gradients travel over the
 process group (gloo on CPU, NCCL on GPUs). Launch the processes with ``torchrun`` or ``dk.launch``.
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from devicekit.errors import DeviceKitError, DistributedError
-from devicekit.parallel.batchnorm import DeferredBatchNorm
-from devicekit.parallel.device_list import parse_device
-from devicekit.parallel.partition import Plan
-from devicekit.parallel.split import Balance, make_parts, resolve
+from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+from devicekit.modelparallel.device_list import parse_device
+from devicekit.modelparallel.partition import Plan
+from devicekit.modelparallel.split import Balance, make_parts, resolve
 
 __all__ = ["pipeline_stage", "DistributedStage"]
 

@@ -10,7 +10,7 @@ check that is optimal for consecutive parts):
 
 Usage::
 
-    from devicekit.parallel.balance import balance_cost, fit_capacities
+    from devicekit.modelparallel.balance import balance_cost, fit_capacities
 
     balance_cost([4, 1, 1, 1, 1, 4], 3)            # [1, 4, 1]: parts cost 4, 4, 4
     fit_capacities([3, 3, 3, 3], [5, 100, 100])    # [1, 2, 1]: largest part 6, first within 5

@@ -12,7 +12,7 @@ when the GPUs cannot hold it all. Unlike accelerate's ``infer_auto_device_map`` 
   largest layer's input and output as working space; ``training=False`` counts inference.
 
 ``spread=True`` uses every GPU instead (for a pipeline, where more stages work at once).
-The result is a :class:`~devicekit.parallel.partition.Plan`: print it for the table and the
+The result is a :class:`~devicekit.modelparallel.partition.Plan`: print it for the table and the
 reasons; hand it to ``dk.split`` or ``dk.Pipeline``.
 
 Usage::
@@ -38,11 +38,15 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
-from devicekit.parallel.balance import fit_capacities
-from devicekit.parallel.device_list import parse_device
-from devicekit.parallel.layer_profile import optimizer_factor, profile_layers, sequential_layers
-from devicekit.parallel.partition import Plan
-from devicekit.parallel.split import plan_from_counts
+from devicekit.modelparallel.balance import fit_capacities
+from devicekit.modelparallel.device_list import parse_device
+from devicekit.modelparallel.layer_profile import (
+    optimizer_factor,
+    profile_layers,
+    sequential_layers,
+)
+from devicekit.modelparallel.partition import Plan
+from devicekit.modelparallel.split import plan_from_counts
 from devicekit.units import format_size, parse_size
 
 __all__ = ["plan_devices", "Budget", "default_budgets"]
@@ -119,7 +123,7 @@ def plan_devices(
     """Choose devices and layers per device within budgets; see the module doc.
 
     ``spread=True`` uses every GPU with a budget (balanced) instead of the fewest that fit:
-    what a :class:`~devicekit.parallel.pipeline.Pipeline` wants, since more stages work at once.
+    what a :class:`~devicekit.modelparallel.pipeline.Pipeline` wants, since more stages work at once.
     """
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise InvalidValueError(f"headroom {headroom!r} must be a fraction in [0, 1), e.g. 0.1")

@@ -10,7 +10,7 @@ from rich.console import Console
 from torch import nn
 
 import devicekit as dk
-from tests.parallel.modelpar_models import (
+from tests.modelparallel.modelpar_models import (
     MODELS,
     assert_same_grads,
     loss_of,

@@ -7,7 +7,7 @@ cannot see. Devices may repeat (two parts on one GPU) and may include ``"cpu"`` 
 
 Usage::
 
-    from devicekit.parallel.device_list import parse_devices
+    from devicekit.modelparallel.device_list import parse_devices
 
     parse_devices(["cuda:0", 1, "cpu"])   # [device('cuda:0'), device('cuda:1'), device('cpu')]
     parse_devices(["cpu", "cpu"])         # two CPU "devices": parts run in their own threads

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.parallel import modelpar_jobs
+from tests.modelparallel import modelpar_jobs
 
 pytestmark = pytest.mark.slow
 

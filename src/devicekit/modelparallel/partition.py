@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from devicekit.parallel.balance import max_over_mean
+from devicekit.modelparallel.balance import max_over_mean
 from devicekit.units import format_size
 
 __all__ = ["Part", "Plan"]

@@ -1,0 +1,1 @@
+"""devicekit.modelparallel: one model over several devices: split, pipeline, partition, plans."""

@@ -1,0 +1,5 @@
+"""Model-parallel tests run as the process tests do: no launcher variables, no GPU."""
+
+from __future__ import annotations
+
+from tests.parallel.conftest import no_launcher  # noqa: F401  (autouse fixture, shared)
