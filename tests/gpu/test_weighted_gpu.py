@@ -27,3 +27,11 @@ def test_weighted_split_matches_single_device_gradients() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     auto = dk.BalancedDataParallel(net, nn.CrossEntropyLoss(), weights="auto")
     assert auto.weights is not None and len(auto.weights) == n
+
+
+def test_distributed_loader_auto_weights_on_a_real_gpu() -> None:
+    """One process on a GPU: 'auto' reads this GPU's capability score; the share is all of it."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(20))
+    loader = dk.distributed_loader(dataset, batch_size=8, weights="auto")
+    assert loader.batch_sizes == [8] and loader.loss_scale == 1.0
+    assert sorted(int(i) for (b,) in loader for i in b)[:20] == list(range(20))

@@ -115,7 +115,7 @@ def _model_devices(model: nn.Module) -> set[torch.device]:
 
 
 def ddp(model: nn.Module, *, device: torch.device | str | int | None = None,
-        find_unused_parameters: bool = False, **ddp_kwargs: Any) -> nn.Module:
+        find_unused_parameters: bool = False, loader: Any = None, **ddp_kwargs: Any) -> nn.Module:
     """Move ``model`` to this rank's device and wrap it in DistributedDataParallel.
 
     ``device`` defaults to :func:`rank_device` (the GPU ``dk.dist.init`` bound this rank to, or
@@ -125,7 +125,22 @@ def ddp(model: nn.Module, *, device: torch.device | str | int | None = None,
 
     When ``torch.distributed`` is not initialised, or the world size is 1, the model is moved
     to the device and returned **unwrapped**: DDP would only add overhead.
+
+    ``loader``: a loader from ``distributed_loader(..., weights=...)`` whose ranks get unequal
+    batches; gradients are then averaged by each rank's share of the global batch (a DDP
+    communication hook), so they equal the one-process gradient of the whole batch.
     """
+    wrapped = _ddp(model, device=device, find_unused_parameters=find_unused_parameters,
+                   **ddp_kwargs)
+    if loader is not None:
+        from devicekit.parallel.weighted_loader import weight_gradients
+
+        weight_gradients(wrapped, loader)
+    return wrapped
+
+
+def _ddp(model: nn.Module, *, device: torch.device | str | int | None,
+         find_unused_parameters: bool, **ddp_kwargs: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise InvalidValueError(f"ddp() needs an nn.Module, got {type(model).__name__}")
     for key in ("device_ids", "output_device"):
@@ -188,12 +203,19 @@ def distributed_sampler(dataset: Dataset, *, shuffle: bool = True, seed: int = 0
 
 
 def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                       drop_last: bool = False, **loader_kwargs: Any) -> DataLoader:
+                       drop_last: bool = False, weights: Any = None,
+                       **loader_kwargs: Any) -> DataLoader:
     """A DataLoader over this rank's share of ``dataset`` (see :func:`distributed_sampler`).
 
     ``drop_last`` applies to both the sampler and the loader, so with ``True`` every rank gets
     the same number of full batches. Other keywords (``num_workers``, ``pin_memory``, ...) go to
     the DataLoader; ``sampler``/``batch_sampler`` are chosen here and cannot be given.
+
+    ``weights`` (one number per rank, or ``"auto"`` from each rank's GPU capability score):
+    mixed GPUs. Each step's global batch of ``batch_size`` x world size samples is shared in
+    proportion (``loader.batch_sizes``), so the fast GPU does not wait; gradients stay the
+    per-sample mean with ``dk.ddp(model, loader=loader)`` or ``loss * loader.loss_scale``
+    (see :mod:`devicekit.parallel.weighted_loader`).
     """
     for key in ("sampler", "batch_sampler"):
         if key in loader_kwargs:
@@ -202,14 +224,20 @@ def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = Tru
                 f"DataLoader yourself with dk.distributed_sampler()")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidValueError(f"batch_size={batch_size!r} must be a positive integer")
+    if weights is not None:
+        from devicekit.parallel.weighted_loader import build_weighted_loader
+
+        return build_weighted_loader(dataset, batch_size, weights, shuffle=shuffle, seed=seed,
+                                     drop_last=drop_last, **loader_kwargs)
     sampler = distributed_sampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                       **loader_kwargs)
 
 
 def _epoch_setter(loader: Any) -> Any:
-    for holder in (loader, getattr(loader, "sampler", None),
-                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for holder in (loader, getattr(loader, "sampler", None), batch_sampler,
+                   getattr(batch_sampler, "sampler", None)):
         if holder is not None and callable(getattr(holder, "set_epoch", None)):
             return holder.set_epoch
     return None
