@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from devicekit.errors import InvalidValueError
-from devicekit.parallel.weighted_split import split_sizes
+from devicekit.parallel.weighted_split import check_weights, split_sizes
 
 __all__ = ["WeightedBatchSampler", "WeightedLoader", "rank_weights", "weight_gradients"]
 
@@ -132,15 +132,7 @@ def rank_weights(weights: Any, world: int) -> list[float]:
     """One positive weight per rank: numbers as given, or ``"auto"`` (gathered from every rank)."""
     if weights == "auto":
         return _auto_weights(world)
-    if isinstance(weights, str) or not isinstance(weights, Sequence):
-        raise InvalidValueError(f"weights={weights!r} must be 'auto' or one number per rank")
-    if len(weights) != world:
-        raise InvalidValueError(
-            f"weights={list(weights)!r} has {len(weights)} entries for a world of {world} rank(s)")
-    for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise InvalidValueError(f"weights={list(weights)!r}: {w!r} is not a positive number")
-    return [float(w) for w in weights]
+    return check_weights(weights, world, f"a world of {world} rank(s)", "rank")
 
 
 def _auto_weights(world: int) -> list[float]:

@@ -25,7 +25,7 @@ import torch
 
 from devicekit.errors import InvalidValueError
 
-__all__ = ["split_sizes", "resolve_weights", "chunk"]
+__all__ = ["split_sizes", "resolve_weights", "check_weights", "chunk"]
 
 
 def split_sizes(total: int, weights: Sequence[float]) -> list[int]:
@@ -58,11 +58,15 @@ def resolve_weights(weights: Any, device_ids: Sequence[int]) -> list[float] | No
             raise InvalidValueError(
                 f"weights='auto' cannot tell which GPUs cuda:{list(device_ids)} are; pass numbers")
         return [c.score for c in capabilities([by_ordinal[i] for i in device_ids])]
+    return check_weights(weights, len(device_ids), f"{len(device_ids)} devices", "device")
+
+
+def check_weights(weights: Any, count: int, for_what: str, each: str) -> list[float]:
+    """``weights`` as ``count`` positive floats, or a one-line error (``for_what``: "3 devices")."""
     if isinstance(weights, str) or not isinstance(weights, Sequence):
-        raise InvalidValueError(f"weights={weights!r} must be 'auto' or one number per device")
-    if len(weights) != len(device_ids):
-        raise InvalidValueError(
-            f"weights={list(weights)!r} has {len(weights)} entries for {len(device_ids)} devices")
+        raise InvalidValueError(f"weights={weights!r} must be 'auto' or one number per {each}")
+    if len(weights) != count:
+        raise InvalidValueError(f"weights={list(weights)!r} has {len(weights)} entries for {for_what}")
     for w in weights:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
             raise InvalidValueError(f"weights={list(weights)!r}: {w!r} is not a positive number")
