@@ -5,6 +5,12 @@ preserved, so dropout draws the same mask twice) that also tells layers whether 
 for the first time or being recomputed during backward: :func:`is_recomputing` lets
 :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
 
+Replay is exact only if nothing else draws from the same generator while a checkpointed part
+runs its forward (two pipeline stages on the CPU, or on one GPU, share a generator):
+:func:`generator_states` and :func:`drew_random_numbers` let the pipeline see whether a part
+drew random numbers at all (``nn.Dropout`` or a functional ``F.dropout`` inside a custom layer
+alike), and run such stages one after another.
+
 Usage::
 
     from devicekit.modelparallel.recompute import checkpointed, is_recomputing
@@ -21,7 +27,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop"]
+__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop", "generator_states",
+           "drew_random_numbers"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -53,3 +60,16 @@ def checkpointed(module: nn.Module, x: Any) -> Any:
             _state.recomputing = previous
 
     return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+
+
+def generator_states(device: torch.device | None) -> list[torch.Tensor]:
+    """The CPU generator's state and, for a CUDA ``device``, that device's (host-side, no sync)."""
+    states = [torch.get_rng_state()]
+    if device is not None and device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def drew_random_numbers(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """True when a generator moved between two :func:`generator_states` (someone drew from it)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
