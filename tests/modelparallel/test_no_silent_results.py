@@ -236,25 +236,6 @@ def test_d_functional_dropout_gets_the_gradients_of_its_own_masks(checkpoint: st
             torch.testing.assert_close(inp.grad, ref_in.grad)
 
 
-def test_d_parallel_randoms_upstream() -> None:
-    """torchgpipe test_bugs.test_parallel_randoms: 100 functional dropouts per stage; the
-    input's gradient is zero exactly where the output is."""
-
-    class Dropouts(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(100):
-                x = F.dropout(x, p=0.001)
-            return x
-
-    x = torch.rand(10, 10, requires_grad=True)
-    pipe = dk.Pipeline(nn.Sequential(Dropouts(), Dropouts()), ["cpu", "cpu"], chunks=10,
-                       balance=[1, 1], checkpoint="always")
-    y = pipe(x)
-    y.norm().backward()
-    assert y.bool().tolist() == x.grad.bool().tolist()
-    pipe.close()
-
-
 # --- e) no recomputation in eval mode; time profiling in training mode ---------------------------
 
 

@@ -187,7 +187,9 @@ class Pipeline(StaysOnPlan):
 
     def _run_part(self, stage: int, x: Any, recompute: bool) -> Any:
         part = self._parts[stage]
-        return checkpointed(part, x) if recompute else part(x)
+        if not recompute:
+            return part(x)
+        return checkpointed(part, x, name=f"part {stage} (layers {self.plan.parts[stage].layer_range})")
 
     def _inline(self, batches: list[Any], stop: int) -> tuple[list[Any], list[float]]:
         """One micro-batch or one stage: nothing can overlap, so run the parts in this thread."""

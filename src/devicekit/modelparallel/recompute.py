@@ -27,6 +27,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from devicekit.errors import SplitError
+from devicekit.placement.walk import map_tensors
+
 __all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop", "generator_states",
            "drew_random_numbers"]
 
@@ -45,19 +48,35 @@ def checkpoint_stop(mode: str, microbatches: int) -> int:
     return {"never": 0, "except_last": max(microbatches - 1, 0), "always": microbatches}[mode]
 
 
-def checkpointed(module: nn.Module, x: Any) -> Any:
-    """``module(x)`` without keeping its activations; they are recomputed when backward needs them."""
+def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part") -> Any:
+    """``module(x)`` without keeping its activations; they are recomputed when backward needs them.
+
+    A part that modifies its own input in place (``bar.add_(1)``, ``nn.ReLU(inplace=True)`` first
+    in a part) would be recomputed from the modified input, giving wrong gradients or an autograd
+    error later: it is refused on the first run, naming ``name``."""
     calls = 0
 
     def body(inp: Any) -> Any:
         nonlocal calls
         previous = is_recomputing()
-        _state.recomputing = calls > 0
+        first = calls == 0
+        _state.recomputing = not first
         calls += 1
+        versions: list[tuple[torch.Tensor, int]] = []
+        if first:
+            map_tensors(inp, lambda t: versions.append((t, t._version)) or t)
         try:
-            return module(inp)
+            out = module(inp)
         finally:
             _state.recomputing = previous
+        changed = [t for t, v in versions if t._version != v]
+        if changed:
+            raise SplitError(
+                f"{name} modified its input in place (a {tuple(changed[0].shape)} tensor); checkpointing "
+                "recomputes from that input on backward, so gradients would be wrong: avoid in-place "
+                "ops on a part's input (e.g. nn.ReLU(inplace=True) first in a part) or use checkpoint='never'"
+            )
+        return out
 
     return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
 
