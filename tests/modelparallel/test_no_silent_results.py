@@ -211,13 +211,14 @@ class FixedMasks(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
-def test_d_functional_dropout_gets_the_gradients_of_its_own_masks(checkpoint: str) -> None:
+def check_functional_dropout(devices: list[str], checkpoint: str) -> None:
+    """A pipeline of FunctionalDropout layers on ``devices`` gets the gradients of its own masks."""
     torch.manual_seed(0)
     chunks, x = 4, torch.randn(16, 16)
     layers = [FunctionalDropout(), FunctionalDropout()]
     model = nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Linear(16, 1))
-    with dk.Pipeline(model, ["cpu", "cpu"], chunks=chunks, balance=[2, 2], checkpoint=checkpoint) as pipe:
+    with dk.Pipeline(model, devices, chunks=chunks, balance=[2, 2], checkpoint=checkpoint) as pipe:
+        assert len({str(d) for d in pipe.devices}) == 1  # two stages, one generator
         for _ in range(2):  # the second call too (the pipeline remembers it must not overlap)
             model.zero_grad()
             for layer in layers:
@@ -229,11 +230,16 @@ def test_d_functional_dropout_gets_the_gradients_of_its_own_masks(checkpoint: st
             ref = nn.Sequential(fixed[0], nn.Tanh(), fixed[1], model[3])
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             model.zero_grad()
-            ref_in = x.clone().requires_grad_(True)
+            ref_in = x.clone().to(pipe.devices[0]).requires_grad_(True)
             torch.cat([ref(c) for c in ref_in.chunk(chunks)]).square().sum().backward()
             for name, param in model.named_parameters():
                 torch.testing.assert_close(grads[name], param.grad, msg=name)
-            torch.testing.assert_close(inp.grad, ref_in.grad)
+            torch.testing.assert_close(inp.grad, ref_in.grad.cpu())
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_d_functional_dropout_gets_the_gradients_of_its_own_masks(checkpoint: str) -> None:
+    check_functional_dropout(["cpu", "cpu"], checkpoint)
 
 
 # --- e) no recomputation in eval mode; time profiling in training mode ---------------------------
