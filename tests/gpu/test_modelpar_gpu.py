@@ -133,3 +133,11 @@ def test_copy_stream_between_two_gpus() -> None:
                      balance=[1, 7]) as pipe, torch.no_grad():
         got = pipe(x)
     assert got.device == torch.device("cuda:1")
+
+
+def test_functional_dropout_on_two_stages_of_one_gpu_replays_its_masks() -> None:
+    """Issue 9 item 3d on a GPU: two stages on cuda:0 share its generator; F.dropout in a custom
+    layer must get the gradients of the masks its forward drew."""
+    from tests.modelparallel.test_no_silent_results import check_functional_dropout
+
+    check_functional_dropout(["cuda:0", "cuda:0"], "except_last")

@@ -86,8 +86,13 @@ class DeferredBatchNorm(_BatchNorm):
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
-        """Replace every tracking BatchNorm in ``module`` (in place) by one sharing its tensors."""
+    def convert(cls, module: nn.Module, _done: dict[int, nn.Module] | None = None) -> nn.Module:
+        """Replace every tracking BatchNorm in ``module`` (in place) by one sharing its tensors.
+
+        A BatchNorm object listed twice becomes one DeferredBatchNorm listed twice."""
+        done = {} if _done is None else _done
+        if id(module) in done:
+            return done[id(module)]
         if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
             deferred = cls(module.num_features, module.eps, module.momentum, module.affine)
             if module.affine:
@@ -97,9 +102,13 @@ class DeferredBatchNorm(_BatchNorm):
             deferred.running_var = module.running_var
             deferred.num_batches_tracked = module.num_batches_tracked
             deferred.train(module.training)
+            done[id(module)] = deferred
             return deferred
-        for name, child in module.named_children():
-            new = cls.convert(child)
+        done[id(module)] = module
+        for name, child in list(module._modules.items()):  # every entry, repeats included
+            if child is None:
+                continue
+            new = cls.convert(child, done)
             if new is not child:
                 setattr(module, name, new)
         return module

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
+from devicekit.modelparallel.batchnorm import DeferredBatchNorm
 from devicekit.placement.walk import map_tensors
 
 __all__ = ["LayerCost", "optimizer_factor", "profile_layers", "sequential_layers"]
@@ -80,7 +81,8 @@ def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of ``model`` in execution order; refuse modules whose order is not known.
 
     Nested plain ``nn.Sequential`` containers are flattened (their forward only chains
-    children), so layers can be balanced finely. Anything else is refused with the fix.
+    children), so layers can be balanced finely. Anything else is refused with the fix. A layer
+    object listed twice is returned twice (it runs twice; ``named_children`` would skip it).
     """
     if isinstance(model, nn.ModuleList):
         raise SplitError(
@@ -97,7 +99,9 @@ def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers: list[tuple[str, nn.Module]] = []
 
     def walk(seq: nn.Sequential, prefix: str) -> None:
-        for name, child in seq.named_children():
+        for name, child in seq._modules.items():  # every entry, repeats included
+            if child is None:
+                continue
             full = f"{prefix}{name}"
             if type(child) is nn.Sequential and len(child) > 0:
                 walk(child, f"{full}.")
@@ -192,56 +196,82 @@ def profile_layers(
     *,
     measure_time: bool = False,
     repeat: int = 3,
+    training: bool = True,
 ) -> list[LayerCost]:
-    """Measure each layer: parameters always; activations with a sample; time if asked."""
+    """Measure each layer: parameters always; activations with a sample; time if asked.
+
+    Layers run in training mode (``training=True``, what a split model trains in; as
+    torchgpipe profiles) and get their own modes back afterwards. A parameter or buffer used by
+    several layers (a repeated layer, tied weights) is counted once, at its first use.
+    """
     on_meta = any(_layer_device(layer) == torch.device("meta") for _, layer in layers)
     if measure_time and (sample is None or on_meta):
         raise SplitError(
             "balance='time' needs real parameters and a real sample to time; pass sample=... "
             "or use balance='size' (works on the meta device)"
         )
-    costs: list[LayerCost] = []
     snapshot = {
         id(b): b.detach().clone() for _, layer in layers for b in layer.buffers() if b.device.type != "meta"
     }
+    modes = {id(m): (m, m.training) for _, layer in layers for m in layer.modules()}
+    counted: set[int] = set()
     x = sample
-    with torch.random.fork_rng(devices=[]):
-        for name, layer in layers:
-            params = list(layer.parameters())
-            cost = dict(
-                name=name,
-                parameters=sum(p.numel() for p in params),
-                param_bytes=sum(p.numel() * p.element_size() for p in params),
-                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.buffers()),
-            )
-            if x is not None:
-                device = _layer_device(layer)
-                sample_on_meta = any(t.device.type == "meta" for t in _tensors(x))
-                if device is None:
-                    device = torch.device("meta") if on_meta or sample_on_meta else None
-                elif sample_on_meta and device.type != "meta":
-                    layer = copy.deepcopy(layer).to("meta")  # a shape-only sample: size a meta copy
-                    device = torch.device("meta")
-                x = _prepare_input(x, device)
-                try:
-                    out, saved = _saved_bytes(layer, x)
-                    seconds = None
-                    if measure_time:
-                        out, seconds = _time_layer(layer, x, repeat)
-                except Exception as exc:
-                    raise SplitError(
-                        f"layer {name!r} ({type(layer).__name__}) failed on the sample: "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-                        "check the sample's shape and dtype"
-                    ) from exc
-                cost.update(activation_bytes=saved, transient_bytes=_nbytes(x) + _nbytes(out),
-                            seconds=seconds)
-                x = map_tensors(out, lambda t: t.detach())
-            costs.append(LayerCost(**cost))  # type: ignore[arg-type]
-    for _, layer in layers:  # restore running statistics touched by profiling
-        for b in layer.buffers():
-            saved_copy = snapshot.get(id(b))
-            if saved_copy is not None:
-                with torch.no_grad():
-                    b.copy_(saved_copy)
+    cuda = sorted({d.index or 0 for _, layer in layers if (d := _layer_device(layer)) is not None
+                   and d.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            for _, layer in layers:
+                layer.train(training)
+            costs = _profile(layers, x, counted, on_meta, measure_time, repeat)
+    finally:
+        for module, mode in modes.values():
+            module.training = mode
+            if isinstance(module, DeferredBatchNorm):
+                module.discard()  # what profiling tracked is no mini-batch of the user's
+        for _, layer in layers:  # restore running statistics touched by profiling
+            for b in layer.buffers():
+                saved_copy = snapshot.get(id(b))
+                if saved_copy is not None:
+                    with torch.no_grad():
+                        b.copy_(saved_copy)
+    return costs
+
+
+def _profile(layers: list[tuple[str, nn.Module]], x: Any, counted: set[int], on_meta: bool,
+             measure_time: bool, repeat: int) -> list[LayerCost]:
+    costs: list[LayerCost] = []
+    for name, layer in layers:
+        params = [p for p in layer.parameters() if id(p) not in counted]
+        buffers = [b for b in layer.buffers() if id(b) not in counted]
+        counted.update(id(t) for t in (*params, *buffers))
+        cost = dict(
+            name=name,
+            parameters=sum(p.numel() for p in params),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+        )
+        if x is not None:
+            device = _layer_device(layer)
+            sample_on_meta = any(t.device.type == "meta" for t in _tensors(x))
+            if device is None:
+                device = torch.device("meta") if on_meta or sample_on_meta else None
+            elif sample_on_meta and device.type != "meta":
+                layer = copy.deepcopy(layer).to("meta")  # a shape-only sample: size a meta copy
+                device = torch.device("meta")
+            x = _prepare_input(x, device)
+            try:
+                out, saved = _saved_bytes(layer, x)
+                seconds = None
+                if measure_time:
+                    out, seconds = _time_layer(layer, x, repeat)
+            except Exception as exc:
+                raise SplitError(
+                    f"layer {name!r} ({type(layer).__name__}) failed on the sample: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+                    "check the sample's shape and dtype"
+                ) from exc
+            cost.update(activation_bytes=saved, transient_bytes=_nbytes(x) + _nbytes(out),
+                        seconds=seconds)
+            x = map_tensors(out, lambda t: t.detach())
+        costs.append(LayerCost(**cost))  # type: ignore[arg-type]
     return costs

@@ -15,6 +15,15 @@ independently; BatchNorm normalises per micro-batch, see below). Options:
 
 * ``checkpoint``: ``"except_last"`` (default, as torchgpipe), ``"always"`` or ``"never"``:
   checkpointed micro-batches keep only their part's input and recompute the rest on backward.
+  Only in training mode with grad enabled: in ``eval()`` or ``no_grad`` nothing is recomputed.
+  Recomputation replays the random numbers the forward drew (dropout draws the same mask),
+  which needs the forward's draws not to interleave with another stage's: stages that share a
+  generator (CPU stages, two stages on one GPU) run one after another whenever a part draws
+  random numbers (an ``nn.Dropout``, or anything that moves the generator, such as ``F.dropout``
+  in a custom layer). A call that finds such a draw only after overlapping its stages discards
+  its outputs and runs its forward again in order (once: the pipeline remembers).
+* The pipeline stays where it was planned: ``.to(device)``/``.cuda()``/``.cpu()`` are refused
+  (see :class:`~devicekit.modelparallel.split.StaysOnPlan`); dtype casts are fine.
 * BatchNorm layers become :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` (same
   tensors): running statistics are updated once per mini-batch with the whole mini-batch's
   statistics, as a non-pipelined run would. ``deferred_batch_norm=False`` keeps plain BatchNorm.
@@ -45,13 +54,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from devicekit.errors import InvalidValueError
+from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.modelparallel.partition import Plan
-from devicekit.modelparallel.recompute import CHECKPOINT_MODES, checkpoint_stop, checkpointed
+from devicekit.modelparallel.recompute import (
+    CHECKPOINT_MODES,
+    checkpoint_stop,
+    checkpointed,
+    drew_random_numbers,
+    generator_states,
+)
 from devicekit.modelparallel.schedule import bubble_fraction
-from devicekit.modelparallel.split import Balance, make_parts, resolve
+from devicekit.modelparallel.split import Balance, StaysOnPlan, make_parts, resolve
 from devicekit.modelparallel.worker import StageWorkers
 
 __all__ = ["Pipeline", "PipelineRun"]
@@ -72,6 +87,26 @@ def _shares_a_generator(devices: Sequence[torch.device]) -> bool:
     """True when two stages draw from one generator: two CPU stages, or two on one GPU."""
     keys = [d.type if d.type == "cpu" else str(d) for d in devices]
     return len(set(keys)) < len(keys)
+
+
+def _watched(devices: Sequence[torch.device]) -> list[torch.device | None]:
+    """Per stage, the CUDA device whose generator another stage shares (None: the CPU's only)."""
+    return [d if d.type == "cuda" and devices.count(d) > 1 else None for d in devices]
+
+
+def _refuse_repeated_batchnorm(layers: list[tuple[str, nn.Module]]) -> None:
+    """A BatchNorm run twice per micro-batch cannot defer its running statistics to one update."""
+    seen: dict[int, str] = {}
+    for name, layer in layers:
+        for sub in dict.fromkeys(layer.modules()):
+            if isinstance(sub, DeferredBatchNorm):
+                if id(sub) in seen:
+                    raise SplitError(
+                        f"BatchNorm in layer {seen[id(sub)]!r} runs again in layer {name!r} (a repeated "
+                        "layer); deferred running statistics need one use per mini-batch: pass "
+                        "deferred_batch_norm=False or give each use its own BatchNorm"
+                    )
+                seen[id(sub)] = name
 
 
 @dataclass(frozen=True)
@@ -100,7 +135,7 @@ class PipelineRun:
                 f"(schedule predicts {self.predicted_idle_fraction:.1%} for equal stages)")
 
 
-class Pipeline(nn.Module):
+class Pipeline(StaysOnPlan):
     """A sequential model split over ``devices`` and run on micro-batches (see module doc)."""
 
     def __init__(
@@ -123,6 +158,8 @@ class Pipeline(nn.Module):
         if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
             model = DeferredBatchNorm.convert(model)
         layers, plan = resolve(model, devices, balance, sample, optimizer)
+        if deferred_batch_norm and chunks > 1:
+            _refuse_repeated_batchnorm(layers)
         DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
         parts = make_parts(layers, plan)
         self.module = model
@@ -137,6 +174,8 @@ class Pipeline(nn.Module):
         # layers that draw random numbers (dropout & co.), found once: see _random_draws_race
         self._random = [m for part in parts for m in part.modules() if _draws_random_numbers(m)]
         self._shared_generator = _shares_a_generator(plan.devices)
+        self._watch = _watched(plan.devices)
+        self._draws_random = False  # a part was seen drawing from a generator stages share
 
     @property
     def parts(self) -> list[nn.Sequential]:
@@ -148,7 +187,9 @@ class Pipeline(nn.Module):
 
     def _run_part(self, stage: int, x: Any, recompute: bool) -> Any:
         part = self._parts[stage]
-        return checkpointed(part, x) if recompute else part(x)
+        if not recompute:
+            return part(x)
+        return checkpointed(part, x, name=f"part {stage} (layers {self.plan.parts[stage].layer_range})")
 
     def _inline(self, batches: list[Any], stop: int) -> tuple[list[Any], list[float]]:
         """One micro-batch or one stage: nothing can overlap, so run the parts in this thread."""
@@ -167,28 +208,48 @@ class Pipeline(nn.Module):
 
         A checkpointed micro-batch saves the RNG state and replays it on backward, so dropout
         draws the same mask twice; but stages sharing a generator (CPU stages, or two stages
-        on one GPU) draw from it concurrently, so the forward's mask is not the one the saved
-        state replays and the gradients belong to another mask. Such calls run in this thread.
+        on one GPU) would draw from it concurrently, so the forward's mask would not be the one
+        the saved state replays. Known random layers in training mode, or a part seen drawing
+        before (:meth:`_overlapped` watches the generators), make such calls run in this thread.
         """
-        return (stop > 0 and self._shared_generator
-                and any(m.training for m in self._random))
+        if stop == 0:
+            return False
+        return self._draws_random or (self._shared_generator and any(m.training for m in self._random))
+
+    def _overlapped(self, batches: list[Any], stop: int) -> tuple[list[Any], list[float]] | None:
+        """Run the stages in their threads; None if a part drew random numbers that replay needs."""
+        if self._workers is None:
+            self._workers = StageWorkers(self.plan.devices)
+        drew: list[int] = []
+
+        def task(stage: int, index: int, value: Any) -> Any:
+            if stop == 0:
+                return self._run_part(stage, value, False)
+            before = generator_states(self._watch[stage])
+            out = self._run_part(stage, value, index < stop)
+            if drew_random_numbers(before, generator_states(self._watch[stage])):
+                drew.append(stage)
+            return out
+
+        outputs, busy = self._workers.run(task, batches)
+        if drew:  # the draws may have interleaved: these outputs' replay would use other masks
+            self._draws_random = True
+            for bn in self._deferred:
+                bn.discard()
+            return None
+        return outputs, busy
 
     def forward(self, x: Any) -> Any:
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
-        stop = checkpoint_stop(self.checkpoint, m) if torch.is_grad_enabled() else 0
+        # checkpointing only pays when training: in eval() or no_grad nothing is recomputed
+        stop = checkpoint_stop(self.checkpoint, m) if torch.is_grad_enabled() and self.training else 0
         start = time.perf_counter()
         try:
-            if m == 1 or n == 1 or self._random_draws_race(stop):
-                outputs, busy = self._inline(batches, stop)
-            else:
-                if self._workers is None:
-                    self._workers = StageWorkers(self.plan.devices)
-
-                def task(stage: int, index: int, value: Any) -> Any:
-                    return self._run_part(stage, value, index < stop)
-
-                outputs, busy = self._workers.run(task, batches)
+            done = None
+            if not (m == 1 or n == 1 or self._random_draws_race(stop)):
+                done = self._overlapped(batches, stop)
+            outputs, busy = done if done is not None else self._inline(batches, stop)
         except BaseException:
             for bn in self._deferred:
                 bn.discard()

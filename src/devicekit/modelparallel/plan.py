@@ -46,7 +46,8 @@ from devicekit.modelparallel.layer_profile import (
     sequential_layers,
 )
 from devicekit.modelparallel.partition import Plan
-from devicekit.modelparallel.split import plan_from_counts
+from devicekit.modelparallel.sharing import block_costs, blocks, expand_counts, find_spans
+from devicekit.modelparallel.split import plan_from_counts, sharing_reasons
 from devicekit.units import format_size, parse_size
 
 __all__ = ["plan_devices", "Budget", "default_budgets"]
@@ -154,6 +155,11 @@ def plan_devices(
     if sample is None:
         reasons.append("no sample given: activations are not counted; pass sample=<one batch> (meta is fine)")
 
+    spans = find_spans(layers)  # repeated layers and tied parameters stay on one device
+    runs = blocks(len(layers), spans)
+    units = block_costs(sizes, runs)
+    reasons.extend(sharing_reasons(spans, True, []))
+
     def capacity(b: Budget) -> float:
         return float(b.usable - working)
 
@@ -161,26 +167,27 @@ def plan_devices(
     by_room = sorted(gpus, key=lambda b: -b.usable)
     for k in range(len(by_room) if spread else 1, len(by_room) + 1):
         chosen = sorted(by_room[:k], key=lambda b: b.device.index or 0)
-        counts = fit_capacities(sizes, [capacity(b) for b in chosen])
+        counts = fit_capacities(units, [capacity(b) for b in chosen])
         if counts is not None:
             used = [b for b, n in zip(chosen, counts, strict=True) if n]
             names = ", ".join(str(b.device) for b in used)
             reasons.append(f"spread over {len(used)} GPU(s) ({names}), layers balanced among them" if spread
                            else f"{len(used)} of {len(gpus)} GPU(s) suffice ({names}): fewest devices, "
                            "most free memory first; layers balanced among them")
-            return _finish(layers, costs, chosen, counts, factor, training, reasons)
+            return _finish(layers, costs, chosen, expand_counts(counts, runs), factor, training, reasons)
     # 2. GPUs take the longest prefix they can hold (balanced); the rest runs on the CPU
     cpu = next((b for b in others if b.device.type == "cpu"), None)
-    prefix_counts = _longest_prefix(sizes, [capacity(b) for b in gpus])
+    prefix_counts = _longest_prefix(units, [capacity(b) for b in gpus])
     on_gpus = sum(prefix_counts)
-    if cpu is not None and sum(sizes[on_gpus:]) + working <= cpu.usable:
+    if cpu is not None and sum(units[on_gpus:]) + working <= cpu.usable:
         if on_gpus:
-            prefix_counts = fit_capacities(sizes[:on_gpus], [capacity(b) for b in gpus]) or prefix_counts
-        rest = len(layers) - on_gpus
+            prefix_counts = fit_capacities(units[:on_gpus], [capacity(b) for b in gpus]) or prefix_counts
+        counts = expand_counts([*prefix_counts, len(runs) - on_gpus], runs)
         if gpus:
-            reasons.append(f"the GPUs hold {on_gpus} of {len(layers)} layers; the last {rest} run on cpu "
+            held = sum(counts[:-1])
+            reasons.append(f"the GPUs hold {held} of {len(layers)} layers; the last {counts[-1]} run on cpu "
                            "(offloaded: slower, but it fits)")
-        return _finish(layers, costs, gpus + [cpu], [*prefix_counts, rest], factor, training, reasons)
+        return _finish(layers, costs, gpus + [cpu], counts, factor, training, reasons)
     biggest = max(range(len(sizes)), key=lambda i: sizes[i])
     room = ", ".join(f"{b.device} {format_size(b.usable)}" for b in gpus + others)
     raise SplitError(

@@ -5,6 +5,12 @@ preserved, so dropout draws the same mask twice) that also tells layers whether 
 for the first time or being recomputed during backward: :func:`is_recomputing` lets
 :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
 
+Replay is exact only if nothing else draws from the same generator while a checkpointed part
+runs its forward (two pipeline stages on the CPU, or on one GPU, share a generator):
+:func:`generator_states` and :func:`drew_random_numbers` let the pipeline see whether a part
+drew random numbers at all (``nn.Dropout`` or a functional ``F.dropout`` inside a custom layer
+alike), and run such stages one after another.
+
 Usage::
 
     from devicekit.modelparallel.recompute import checkpointed, is_recomputing
@@ -21,7 +27,11 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop"]
+from devicekit.errors import SplitError
+from devicekit.placement.walk import map_tensors
+
+__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop", "generator_states",
+           "drew_random_numbers"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -38,18 +48,47 @@ def checkpoint_stop(mode: str, microbatches: int) -> int:
     return {"never": 0, "except_last": max(microbatches - 1, 0), "always": microbatches}[mode]
 
 
-def checkpointed(module: nn.Module, x: Any) -> Any:
-    """``module(x)`` without keeping its activations; they are recomputed when backward needs them."""
+def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part") -> Any:
+    """``module(x)`` without keeping its activations; they are recomputed when backward needs them.
+
+    A part that modifies its own input in place (``bar.add_(1)``, ``nn.ReLU(inplace=True)`` first
+    in a part) would be recomputed from the modified input, giving wrong gradients or an autograd
+    error later: it is refused on the first run, naming ``name``."""
     calls = 0
 
     def body(inp: Any) -> Any:
         nonlocal calls
         previous = is_recomputing()
-        _state.recomputing = calls > 0
+        first = calls == 0
+        _state.recomputing = not first
         calls += 1
+        versions: list[tuple[torch.Tensor, int]] = []
+        if first:
+            map_tensors(inp, lambda t: versions.append((t, t._version)) or t)
         try:
-            return module(inp)
+            out = module(inp)
         finally:
             _state.recomputing = previous
+        changed = [t for t, v in versions if t._version != v]
+        if changed:
+            raise SplitError(
+                f"{name} modified its input in place (a {tuple(changed[0].shape)} tensor); checkpointing "
+                "recomputes from that input on backward, so gradients would be wrong: avoid in-place "
+                "ops on a part's input (e.g. nn.ReLU(inplace=True) first in a part) or use checkpoint='never'"
+            )
+        return out
 
     return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+
+
+def generator_states(device: torch.device | None) -> list[torch.Tensor]:
+    """The CPU generator's state and, for a CUDA ``device``, that device's (host-side, no sync)."""
+    states = [torch.get_rng_state()]
+    if device is not None and device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def drew_random_numbers(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """True when a generator moved between two :func:`generator_states` (someone drew from it)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -6,7 +6,10 @@ moved to its device, and ``forward`` moves activations from part to part, so aut
 gradients back across devices. Input goes in on the first device, output comes out on the last.
 Devices may repeat and may be ``"cpu"`` (offload). Only ``nn.Sequential`` is accepted: the
 children of any other module need not run in the order they are listed (branches, skip
-connections), so splitting by children would be silently wrong.
+connections), so splitting by children would be silently wrong. A layer object listed twice runs
+twice, and layers that share a parameter (tied weights) are kept on one device (the plan says
+so; :mod:`devicekit.modelparallel.sharing`). The split model stays where it was planned:
+``.to(device)``, ``.cuda()`` and ``.cpu()`` are refused (dtype casts are fine); split again to move.
 
 Usage::
 
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from devicekit.errors import InvalidValueError, SplitError
+from devicekit.errors import InvalidValueError, PlacementError, SplitError
 from devicekit.modelparallel.balance import balance_cost
 from devicekit.modelparallel.device_list import parse_devices
 from devicekit.modelparallel.layer_profile import (
@@ -41,8 +44,17 @@ from devicekit.modelparallel.layer_profile import (
 )
 from devicekit.modelparallel.microbatch import move
 from devicekit.modelparallel.partition import Part, Plan
+from devicekit.modelparallel.sharing import (
+    Span,
+    block_costs,
+    blocks,
+    check_cuts,
+    expand_counts,
+    find_spans,
+    must_keep_together,
+)
 
-__all__ = ["split", "SplitModel", "build_plan", "check_counts", "make_parts"]
+__all__ = ["split", "SplitModel", "StaysOnPlan", "build_plan", "check_counts", "make_parts"]
 
 Balance = str | Sequence[int]
 
@@ -69,10 +81,16 @@ def build_plan(
     balance: Balance = "size",
     sample: Any = None,
     optimizer: str | float | None = "adam",
+    separate: bool = False,
 ) -> Plan:
-    """Measure the layers and cut them into ``len(devices)`` balanced parts."""
+    """Measure the layers and cut them into ``len(devices)`` balanced parts.
+
+    Layers that share an object stay on one device when the devices differ (or, with
+    ``separate``, always: each part is its own process's copy)."""
     factor = optimizer_factor(optimizer)
     reasons: list[str] = []
+    spans = find_spans(layers)
+    together = bool(spans) and must_keep_together(devices, separate=separate)
     if isinstance(balance, str):
         if balance not in ("size", "time"):
             raise InvalidValueError(f"balance {balance!r} is unknown; use 'size', 'time' or a list of layer counts")
@@ -80,19 +98,36 @@ def build_plan(
             raise SplitError(
                 f"cannot cut {len(layers)} layer(s) into {len(devices)} parts; pass at most {len(layers)} devices"
             )
+        runs = blocks(len(layers), spans) if together else [(i, i + 1) for i in range(len(layers))]
+        if len(devices) > len(runs):
+            widest = max(spans, key=lambda s: s.last - s.first)
+            raise SplitError(
+                f"{widest.what}, so layers {widest.first}..{widest.last} must stay on one device; "
+                f"the rest cannot fill {len(devices)} parts: pass at most {len(runs)} devices or untie it"
+            )
         costs = profile_layers(layers, sample, measure_time=balance == "time")
         weights = ([c.seconds or 0.0 for c in costs] if balance == "time"
                    else [c.memory(training=True, optimizer=factor) for c in costs])
-        counts = balance_cost(weights, len(devices))
+        counts = expand_counts(balance_cost(block_costs(weights, runs), len(devices)), runs)
         basis = balance
         if sample is None:
             reasons.append("no sample given: activations are not counted; pass sample=<a batch> to count them")
     else:
         counts = check_counts(balance, len(layers), len(devices))
+        if together:
+            check_cuts(spans, counts, devices, separate=separate)
         costs = profile_layers(layers, sample)
         basis = "given"
     reasons.append(f"{len(layers)} layers cut into {len(devices)} consecutive parts: {counts}")
+    reasons.extend(sharing_reasons(spans, together, devices))
     return plan_from_counts(layers, costs, devices, counts, basis=basis, optimizer=factor, reasons=reasons)
+
+
+def sharing_reasons(spans: Sequence[Span], together: bool, devices: Sequence[torch.device]) -> list[str]:
+    """One plan line per shared object: kept on one device, or harmless on one device."""
+    if together:
+        return [f"{s.what}: layers {s.first}..{s.last} kept on one device" for s in spans]
+    return [f"{s.what}: every part is on {devices[0]}, so they share one copy" for s in spans]
 
 
 def plan_from_counts(
@@ -150,7 +185,61 @@ def make_parts(layers: list[tuple[str, nn.Module]], plan: Plan) -> list[nn.Seque
     return parts
 
 
-class SplitModel(nn.Module):
+class StaysOnPlan(nn.Module):
+    """Refuses to be moved as a whole: its parts live on the devices of ``self.plan``.
+
+    ``.to(device)``, ``.cuda()``, ``.cpu()`` (and the other device moves) would put every part on
+    one device while the plan still names several, so the next forward would fail or run
+    elsewhere than printed. They are refused with one line, unless every part is already on
+    that device (a no-op, as frameworks that call ``model.to(device)`` expect). Casting the
+    dtype (``.to(torch.float64)``, ``.half()``) keeps every part on its device and is allowed.
+    """
+
+    plan: Plan
+
+    def _stay(self, call: str, target: Any) -> None:
+        device = torch.device(target) if not isinstance(target, torch.device) else target
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if all(d == device for d in self.plan.devices):
+            return
+        where = ", ".join(str(d) for d in self.plan.devices)
+        raise PlacementError(
+            f"{type(self).__name__}.{call} would move every part to {device}, but the parts live on "
+            f"[{where}] as planned; inputs may be anywhere, so leave it, or split the model again "
+            f"with the devices you want (dk.split(model.module, [...]))"
+        )
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, int) and not isinstance(target, bool):  # .to(1): a CUDA ordinal
+            device: Any = torch.device("cuda", target)
+        else:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            self._stay(".to(...)", device)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Any:  # type: ignore[override]
+        target = device if isinstance(device, (str, torch.device)) else (
+            "cuda" if device is None else torch.device("cuda", device))
+        self._stay(".cuda()", target)
+        return super().cuda(device)
+
+    def cpu(self) -> Any:  # type: ignore[override]
+        self._stay(".cpu()", "cpu")
+        return super().cpu()
+
+    def xpu(self, device: Any = None) -> Any:  # type: ignore[override]
+        self._stay(".xpu()", "xpu")
+        return super().xpu(device)
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> Any:  # type: ignore[override]
+        self._stay(".to_empty(...)", device)
+        return super().to_empty(device=device, recurse=recurse)
+
+
+class SplitModel(StaysOnPlan):
     """A sequential model whose parts live on different devices; ``forward`` hands activations on.
 
     ``module`` is the original model (same parameters, same state_dict keys with a ``module.``
@@ -181,17 +270,24 @@ class SplitModel(nn.Module):
 
 
 def resolve(
-    model: nn.Module, devices: Any, balance: Balance, sample: Any, optimizer: str | float | None
+    model: nn.Module, devices: Any, balance: Balance, sample: Any, optimizer: str | float | None,
+    *, separate: bool = False,
 ) -> tuple[list[tuple[str, nn.Module]], Plan]:
-    """The layers of ``model`` and the plan for ``devices`` (a device list or a ready Plan)."""
+    """The layers of ``model`` and the plan for ``devices`` (a device list or a ready Plan).
+
+    ``separate``: each part runs in its own process, so shared objects must stay in one part."""
     layers = sequential_layers(model)
     if isinstance(devices, Plan):
         counts = devices.counts
         if sum(counts) != len(layers):
             raise SplitError(f"plan covers {sum(counts)} layers but the model has {len(layers)}; plan this model")
         parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        spans = find_spans(layers)
+        if spans and must_keep_together(devices.devices, separate=separate):
+            check_cuts(spans, counts, devices.devices, separate=separate)
         return layers, devices
-    return layers, build_plan(layers, parse_devices(devices), balance=balance, sample=sample, optimizer=optimizer)
+    return layers, build_plan(layers, parse_devices(devices), balance=balance, sample=sample,
+                              optimizer=optimizer, separate=separate)
 
 
 def split(

@@ -120,14 +120,14 @@ def pipeline_stage(
         box: list[Any] = [None]
         if rank == 0:
             try:
-                box[0] = resolve(model, [local] * world, balance, sample, optimizer)[1].counts
+                box[0] = resolve(model, [local] * world, balance, sample, optimizer, separate=True)[1].counts
             except DeviceKitError as exc:  # every rank must hear of it, or the others wait forever
                 box[0] = exc
         dist.broadcast_object_list(box, src=src, group=group)
         if isinstance(box[0], DeviceKitError):
             raise box[0]
         balance = box[0]
-    layers, plan = resolve(model, [local] * world, balance, sample, optimizer)
+    layers, plan = resolve(model, [local] * world, balance, sample, optimizer, separate=True)
     own = Plan(parts=list(plan.parts), basis=plan.basis, memory_basis=plan.memory_basis,
                reasons=plan.reasons + [f"rank {rank} of {world} runs part {rank}"])
     part_plan = Plan(parts=[plan.parts[rank]], basis=plan.basis)
