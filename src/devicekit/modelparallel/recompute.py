@@ -51,10 +51,13 @@ def checkpoint_stop(mode: str, microbatches: int) -> int:
 def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part") -> Any:
     """``module(x)`` without keeping its activations; they are recomputed when backward needs them.
 
-    A part that modifies its own input in place (``bar.add_(1)``, ``nn.ReLU(inplace=True)`` first
-    in a part) would be recomputed from the modified input, giving wrong gradients or an autograd
-    error later: it is refused on the first run, naming ``name``."""
+    A part whose first layer works in place (``nn.ReLU(inplace=True)``, common in CNNs, where the
+    balancer may well cut) gets a copy of its input, so the recomputation starts from the value
+    the first run saw. Any other part that modifies its own input in place (``bar.add_(1)``)
+    would be recomputed from the modified input, giving wrong gradients: it is refused on the
+    first run, naming ``name``."""
     calls = 0
+    copy_input = starts_in_place(module)
 
     def body(inp: Any) -> Any:
         nonlocal calls
@@ -66,7 +69,8 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
         if first:
             map_tensors(inp, lambda t: versions.append((t, t._version)) or t)
         try:
-            out = module(inp)
+            # the copy is made inside the checkpointed body: the saved input stays untouched
+            out = module(map_tensors(inp, _copy) if copy_input else inp)
         finally:
             _state.recomputing = previous
         changed = [t for t, v in versions if t._version != v]
@@ -79,6 +83,17 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
         return out
 
     return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_floating_point() else t
+
+
+def starts_in_place(module: nn.Module) -> bool:
+    """True when the first layer ``module`` runs (through nested Sequentials) has ``inplace=True``."""
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return getattr(module, "inplace", False) is True
 
 
 def generator_states(device: torch.device | None) -> list[torch.Tensor]:
