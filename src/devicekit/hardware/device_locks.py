@@ -222,13 +222,14 @@ def _process(pid: int) -> tuple[str, str, float]:
 
 
 @contextlib.contextmanager
-def legacy_handshake(directory: Path, patience: float = LEGACY_PATIENCE) -> Iterator[bool]:
+def legacy_handshake(directory: Path, patience: float | None = None) -> Iterator[bool]:
     """Keep out an old devicekit (directory-wide ``.lock``) while we reserve, for a moment.
 
     Takes ``.lock`` *shared* (new versions do not exclude one another) if it can within
-    ``patience`` seconds; yields whether it did. An old devicekit holds it exclusively for the
-    milliseconds of its choice, so waiting a moment keeps it from choosing what we reserve; a
-    process holding it longer is not choosing, and is not waited for.
+    ``patience`` seconds (default :data:`LEGACY_PATIENCE`); yields whether it did. An old
+    devicekit holds it exclusively for the milliseconds of its choice, so waiting a moment keeps
+    it from choosing what we reserve; a process holding it longer is not choosing, and is not
+    waited for.
     """
     try:
         fd = _open(directory / _LEGACY_NAME)
@@ -239,7 +240,7 @@ def legacy_handshake(directory: Path, patience: float = LEGACY_PATIENCE) -> Iter
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             yield False
             return
-        deadline = time.monotonic() + patience
+        deadline = time.monotonic() + (LEGACY_PATIENCE if patience is None else patience)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
