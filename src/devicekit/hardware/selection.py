@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from devicekit.errors import InvalidValueError, NoDeviceAvailable
 from devicekit.hardware import inventory
+from devicekit.hardware.exclude import excluded as excluded_uuids
+from devicekit.hardware.exclude import parse_exclude
 from devicekit.hardware.gpu import GPU
 from devicekit.hardware.leases import Lease, LeaseRecord, read_leases
 from devicekit.hardware.mig import leasable_devices, visible_uuids
@@ -149,48 +151,6 @@ def _check_count(count: Any) -> int | None:
     return count
 
 
-def _parse_exclude(exclude: Any) -> tuple[str, ...]:
-    items: Iterable[Any] = [exclude] if isinstance(exclude, (str, int)) else exclude
-    out = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, (int, str)) or str(item).strip() == "":
-            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index or UUID")
-        if isinstance(item, int) and item < 0:
-            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index (indices start at 0)")
-        out.extend(part.strip() for part in str(item).split(",") if part.strip())
-    return tuple(out)
-
-
-def _excluded(devices: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
-    """UUIDs of the devices ``exclude`` names; an entry naming no GPU is an error (a typo).
-
-    An index or a GPU UUID in MIG mode names every MIG instance of that GPU; a ``MIG-`` UUID
-    names one instance.
-    """
-    chosen: set[str] = set()
-    for entry in exclude:
-        if entry.isdigit():
-            found = [d for d in devices if d.index == int(entry)]  # MIG instances share it
-        else:
-            found = [d for d in devices if _names(entry, d.uuid)]
-            if not found:
-                found = [d for d in devices if d.parent_uuid and _names(entry, d.parent_uuid)]
-        if len({d.parent_uuid or d.uuid for d in found}) != 1 or (
-                len(found) > 1 and not entry.isdigit() and _names(entry, found[0].uuid)):
-            why = "matches several GPUs" if found else "matches no GPU"
-            raise InvalidValueError(
-                f"exclude entry {entry!r} {why}; use an index or UUID from 'devicekit status'"
-            )
-        chosen.update(d.uuid for d in found)
-    return chosen
-
-
-def _names(entry: str, uuid: str) -> bool:
-    """Whether ``entry`` is ``uuid``, a prefix of it, or its short form (8 hex digits)."""
-    lowered, uuid = entry.lower(), uuid.lower()
-    return uuid.startswith(lowered) or (uuid.startswith("gpu-") and uuid[4:12] == lowered)
-
-
 def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request,
            visible: set[str], visible_note: str,
            holder_pids: dict[int, set[int]] | None = None) -> list[Candidate]:
@@ -200,7 +160,7 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
     its descendants, e.g. the command ``devicekit run`` started).
     """
     holder_pids = holder_pids or {}
-    excluded = _excluded(gpus, request.exclude)
+    excluded = excluded_uuids(gpus, request.exclude)
     out = []
     for gpu in gpus:
         reasons: list[str] = []
@@ -481,5 +441,5 @@ def _make_request(count: Any, min_free_memory: Any, max_utilization: Any, exclud
         raise InvalidValueError(
             "share=True needs min_free_memory: the memory budget this job claims on a shared GPU"
         )
-    return _Request(n, min_free, max_util, _parse_exclude(exclude), order, frozenset(users),
+    return _Request(n, min_free, max_util, parse_exclude(exclude), order, frozenset(users),
                     bool(share))
