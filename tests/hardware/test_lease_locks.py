@@ -289,3 +289,25 @@ def test_twelve_processes_taking_two_gpus_each_never_overlap(simulate, spawn, tm
     for proc in racers:
         assert proc.wait(timeout=30) == 0
     assert read_leases() == []
+
+
+def test_a_gpu_lock_held_by_hand_is_shown_and_skipped(simulate, spawn):
+    """The same check without root: a bare lock holder is named by pid and command."""
+    from rich.console import Console
+
+    from devicekit.hardware.table import render_status
+
+    simulate([h100(), h100()])
+    first, second = dk.gpus()
+    proc = spawn(HOLD_GPU_LOCK.replace(AS_NOBODY, "import fcntl, os, sys, time\n"),
+                 str(lease_dir()), first.uuid)
+    assert wait_line(proc) == "holding"
+    (record,) = read_leases()
+    assert (record.gpu_uuid, record.pid, record.kind, record.share) == (
+        first.uuid, proc.pid, "lock", False)
+    assert "without a lease" in record.describe()
+    with select_gpus(1, order="index") as sel:
+        assert sel.gpus[0].uuid == second.uuid
+    out = __import__("io").StringIO()
+    Console(file=out, width=160).print(render_status(collect_status()))
+    assert "(lock only) python -c" in out.getvalue()

@@ -172,16 +172,18 @@ def holders(directory: Path) -> list[LockHolder]:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return []
-    locked: dict[int, list[tuple[int, bool]]] = {}
+    # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2148689 0 EOF": pid, then major:minor (hex):inode
+    locked: dict[tuple[int, int], list[tuple[int, bool]]] = {}
     for line in text.splitlines():
         parts = line.split()
         if len(parts) < 6 or "->" in parts or parts[1] != "FLOCK":
             continue
         try:
-            pid, inode = int(parts[4]), int(parts[5].rsplit(":", 1)[1])
-        except (ValueError, IndexError):
+            major, minor, inode = parts[5].split(":")
+            key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+            locked.setdefault(key, []).append((int(parts[4]), parts[3] == "WRITE"))
+        except ValueError:
             continue
-        locked.setdefault(inode, []).append((pid, parts[3] == "WRITE"))
     if not locked:
         return []
     out: list[LockHolder] = []
@@ -194,10 +196,10 @@ def holders(directory: Path) -> list[LockHolder]:
         if kind is None:
             continue
         try:
-            inode = os.lstat(directory / name).st_ino
+            info = os.lstat(directory / name)
         except OSError:
             continue
-        for pid, exclusive in locked.get(inode, []):
+        for pid, exclusive in locked.get((info.st_dev, info.st_ino), []):
             user, command, since = _process(pid)
             out.append(LockHolder(name[: -len(kind)], kind, pid, exclusive, user, command, since))
     return out
@@ -218,7 +220,7 @@ def _process(pid: int) -> tuple[str, str, float]:
         since = psutil.Process(pid).create_time()
     except Exception:  # gone, or psutil cannot tell: now is the honest lower bound
         since = time.time()
-    return user, command[:200], since
+    return user, " ".join(command.split())[:200], since  # one line, even for python -c "..."
 
 
 @contextlib.contextmanager

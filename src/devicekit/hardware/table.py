@@ -333,5 +333,5 @@ def _lease_table(report: StatusReport, now: float) -> Any:
         table.add_row(gpu_label, r.user, r.host, str(r.pid), _age(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
-                      _short(r.command) if r.kind == "lease" else f"[lock only] {_short(r.command)}")
+                      _short(r.command) if r.kind == "lease" else f"(lock only) {_short(r.command)}")
     return table
