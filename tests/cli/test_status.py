@@ -26,7 +26,7 @@ GPU_KEYS = {"index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used"
             "power_limit", "compute_capability", "compute_mode", "mig_enabled", "mig_devices",
             "processes", "backend", "leases", "architecture", "sm_count",
             "max_sm_clock", "memory_bandwidth", "capability"}
-LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share"}
+LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share", "kind"}
 
 
 @pytest.fixture

@@ -29,11 +29,14 @@ def test_acquire_read_release():
     assert record.pid == os.getpid() and record.command == "python train.py"
     assert record.memory == 5 * 2**30 and record.share is False and record.host
     assert "leased by" in record.describe() and "python train.py" in record.describe()
-    assert len(lease.fds) == 2 and not any(os.get_inheritable(fd) for fd in lease.fds)
+    # per GPU: its lease file and its lock file (holding the lock is holding the GPU)
+    assert len(lease.fds) == 4 and not any(os.get_inheritable(fd) for fd in lease.fds)
     lease.release()
     lease.release()  # idempotent
     assert read_leases() == []
-    assert [n for n in os.listdir(lease_dir()) if not n.startswith(".")] == []
+    # only the lock files stay (deleting one could let two holders in); no lease file
+    assert sorted(n for n in os.listdir(lease_dir()) if not n.startswith(".")) == [
+        "GPU-aaa.hold", "GPU-bbb.hold"]
 
 
 def test_context_manager_and_json_content():
@@ -259,7 +262,7 @@ def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
     read; opening that FIFO for reading would block select_gpus under the directory lock."""
     import threading
 
-    from devicekit.hardware import leases as leases_module
+    from devicekit.hardware import lease_records as leases_module
 
     path = lease_dir()
     fifo = path / "GPU-x.1.abc.lease"

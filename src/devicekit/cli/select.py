@@ -97,7 +97,7 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
     click.echo(selection.visible_devices_value(fmt))
     if quiet:
         return
-    chosen = ", ".join(f"GPU {g.index} ({format_size(g.memory_free)} free)" for g in selection.gpus)
+    chosen = ", ".join(f"{g.label} ({format_size(g.memory_free)} free)" for g in selection.gpus)
     click.echo(f"devicekit: chose {chosen}", err=True)
     for line in selection.rejected:
         click.echo(f"devicekit:   {line}", err=True)

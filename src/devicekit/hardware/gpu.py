@@ -86,7 +86,22 @@ class GPU:
     memory_bandwidth: float | None = None
     #: where the numbers came from: "nvml" or "simulated"
     backend: str = "nvml"
+    #: set when this is one MIG instance of a GPU in MIG mode, as selection hands it out
+    #: (:func:`devicekit.hardware.mig.leasable_devices`): the parent GPU's UUID and the
+    #: instance's position among the parent's ``mig_devices``; ``index`` is the parent's
+    parent_uuid: str | None = None
+    mig_index: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_mig(self) -> bool:
+        """True for one MIG instance (a ``MIG-`` UUID), False for a physical GPU."""
+        return self.parent_uuid is not None
+
+    @property
+    def label(self) -> str:
+        """``GPU 2``, or ``GPU 2 MIG 1`` for a MIG instance: how messages name it."""
+        return f"GPU {self.index}" + (f" MIG {self.mig_index}" if self.is_mig else "")
 
     @property
     def short_uuid(self) -> str:
@@ -97,6 +112,9 @@ class GPU:
         """A JSON-ready dict (the schema of ``devicekit status --json``, see docs/cli.md)."""
         data = asdict(self)
         data.pop("extra", None)
+        if self.parent_uuid is None:  # a physical GPU: the status schema has no such keys
+            data.pop("parent_uuid")
+            data.pop("mig_index")
         data["compute_capability"] = (
             f"{self.compute_capability[0]}.{self.compute_capability[1]}"
             if self.compute_capability

@@ -3,8 +3,11 @@
 ``DEVICEKIT_LEASE_DIR`` (default ``/tmp/devicekit-leases``) is created sticky and world-writable
 (mode 1777, like ``/tmp``) so every user of the machine can lease but nobody can delete another
 user's lease files. A symlinked directory, a non-directory, one writable by others without the
-sticky bit, or one owned by another user and not shared (mode 1777) is refused with :class:`~devicekit.errors.LeaseError` naming it and the fix. The lock file
-``.lock`` serialises choose-and-reserve across processes.
+sticky bit, or one owned by another user and not shared (mode 1777) is refused with
+:class:`~devicekit.errors.LeaseError` naming it and the fix. The lock file ``.lock`` is what
+devicekit before per-device locks serialised choose-and-reserve with; reservations now lock one
+device at a time (:mod:`~devicekit.hardware.device_locks`) and hold ``.lock`` only shared, for a
+moment, to keep such old versions out; :func:`directory_lock` still takes it exclusively.
 
 The first user to lease creates the default directory and so owns it; others still use it (it is
 mode 1777), and ``devicekit doctor`` warns that its owner could remove their lease files until an
@@ -15,7 +18,7 @@ Usage::
     from devicekit.hardware.lease_directory import directory_lock, lease_dir
 
     print(lease_dir())                  # /tmp/devicekit-leases
-    with directory_lock() as path:      # no other process chooses GPUs meanwhile
+    with directory_lock() as path:      # no devicekit reserves GPUs meanwhile (waits, 30 s at most)
         ...
 """
 
@@ -113,8 +116,10 @@ def resolve_directory(directory: str | os.PathLike[str] | None) -> Path:
 @contextlib.contextmanager
 def directory_lock(directory: str | os.PathLike[str] | None = None, *,
                    timeout: float = 30.0) -> Iterator[Path]:
-    """Hold the directory-wide lock: choose-and-reserve is atomic across processes.
+    """Hold the directory-wide ``.lock`` exclusively: no devicekit reserves meanwhile.
 
+    Selection no longer needs it (per-device locks keep choose-and-reserve atomic); a
+    reservation waits for it half a second at most, so holding it stops nobody's leasing.
     Yields the lease directory. Raises :class:`LeaseError` if the lock cannot be had within
     ``timeout`` seconds (a process is stuck holding it).
     """

@@ -32,15 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from devicekit.errors import InvalidValueError, NoDeviceAvailable
 from devicekit.hardware import inventory
+from devicekit.hardware.exclude import excluded as excluded_uuids
+from devicekit.hardware.exclude import parse_exclude
 from devicekit.hardware.gpu import GPU
-from devicekit.hardware.leases import Lease, LeaseRecord, directory_lock, read_leases
-from devicekit.hardware.visible import (
-    ORDER_ENV,
-    VISIBLE_ENV,
-    torch_ordinal,
-    visible_devices,
-    visible_value,
-)
+from devicekit.hardware.leases import Lease, LeaseRecord, read_leases
+from devicekit.hardware.mig import leasable_devices, visible_uuids
+from devicekit.hardware.visible import ORDER_ENV, VISIBLE_ENV, torch_ordinal, visible_value
 from devicekit.hardware.waiting import WaitDisplay
 from devicekit.units import format_size, parse_percent, parse_size
 
@@ -81,6 +78,11 @@ class Selection:
         """``CUDA_VISIBLE_DEVICES`` value as UUIDs (``"uuid"``) or NVML indices (``"index"``)."""
         if fmt not in FORMATS:
             raise InvalidValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+        mig = [g for g in self.gpus if g.is_mig]
+        if fmt == "index" and mig:
+            raise InvalidValueError(
+                f"format 'index' cannot name {mig[0].label} (a MIG instance has no index in "
+                f"{VISIBLE_ENV}); use format 'uuid'")
         return visible_value(self.gpus, fmt)
 
     def to_env(self, fmt: str = "uuid") -> dict[str, str]:
@@ -102,7 +104,7 @@ class Selection:
         self.release()
 
     def __repr__(self) -> str:
-        what = "cpu" if self.cpu_fallback else ", ".join(f"GPU {g.index}" for g in self.gpus)
+        what = "cpu" if self.cpu_fallback else ", ".join(g.label for g in self.gpus)
         leased = "leased" if self.lease is not None and not self.lease.released else "not leased"
         return f"Selection([{what}], {leased}, {len(self.rejected)} rejected)"
 
@@ -127,7 +129,7 @@ class Candidate:
         return not self.lasting
 
     def line(self) -> str:
-        return f"GPU {self.gpu.index}: {'; '.join(self.reasons)}"
+        return f"{self.gpu.label}: {'; '.join(self.reasons)}"
 
 
 @dataclass(frozen=True)
@@ -149,46 +151,16 @@ def _check_count(count: Any) -> int | None:
     return count
 
 
-def _parse_exclude(exclude: Any) -> tuple[str, ...]:
-    items: Iterable[Any] = [exclude] if isinstance(exclude, (str, int)) else exclude
-    out = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, (int, str)) or str(item).strip() == "":
-            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index or UUID")
-        if isinstance(item, int) and item < 0:
-            raise InvalidValueError(f"exclude entry {item!r} is not a GPU index (indices start at 0)")
-        out.extend(part.strip() for part in str(item).split(",") if part.strip())
-    return tuple(out)
-
-
-def _excluded(gpus: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
-    """UUIDs of the GPUs ``exclude`` names; an entry naming no GPU is an error (a typo)."""
-    chosen: set[str] = set()
-    for entry in exclude:
-        if entry.isdigit():
-            found = [g for g in gpus if g.index == int(entry)]
-        else:
-            found = [g for g in gpus if g.uuid.lower().startswith(entry.lower())
-                     or g.short_uuid.lower() == entry.lower()]
-        if len(found) != 1:
-            why = "matches several GPUs" if found else "matches no GPU"
-            raise InvalidValueError(
-                f"exclude entry {entry!r} {why}; use an index or UUID from 'devicekit status'"
-            )
-        chosen.add(found[0].uuid)
-    return chosen
-
-
 def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request,
            visible: set[str], visible_note: str,
            holder_pids: dict[int, set[int]] | None = None) -> list[Candidate]:
-    """Judge every GPU against the request (pure: no I/O), in NVML order.
+    """Judge every device (GPU or MIG instance) against the request (pure: no I/O), in NVML order.
 
     ``holder_pids`` maps a lease's pid to the pids that use memory on its behalf (itself and
     its descendants, e.g. the command ``devicekit run`` started).
     """
     holder_pids = holder_pids or {}
-    excluded = _excluded(gpus, request.exclude)
+    excluded = excluded_uuids(gpus, request.exclude)
     out = []
     for gpu in gpus:
         reasons: list[str] = []
@@ -202,7 +174,10 @@ def assess(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], request: _Request
         if gpu.uuid in excluded:
             lasting.append("excluded")
         if gpu.mig_enabled:
-            lasting.append("in MIG mode (use a MIG- UUID in CUDA_VISIBLE_DEVICES)")
+            lasting.append("in MIG mode without MIG instances (create them with 'nvidia-smi mig')")
+        if gpu.is_mig and request.count != 1:
+            lasting.append("a MIG instance: CUDA gives a process one MIG instance, so only a "
+                           "request for 1 device gets one")
         if gpu.compute_mode == "prohibited":
             lasting.append("compute mode is prohibited")
         if request.min_free is not None and gpu.memory_total < request.min_free:
@@ -259,28 +234,59 @@ def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
     return sorted(eligible, key=lambda c: c.gpu.index)
 
 
+#: reservations that lost a race (a device taken between our look and our lock) look again
+_RACE_RETRIES = 5
+
+
 def _attempt(request: _Request, lease: bool, command: str | None
              ) -> tuple[Selection | None, list[Candidate], str]:
-    """One snapshot: choose and (under the directory lock) reserve, or report why not."""
+    """One snapshot: choose, then lock the chosen devices one by one, or report why not.
+
+    Locks are tried in order of preference without waiting: a device taken by someone else a
+    moment earlier is skipped for the next one; when too few can be had, everything taken is
+    given back and the choice is made again from a fresh look (a few times), so two requests
+    never wait on each other and a partial grant never leaks.
+    """
     gpus = inventory.gpus()
-    visible = {d.gpu.uuid for d in visible_devices(gpus) if d.mig is None}
+    devices = leasable_devices(gpus)
+    visible = visible_uuids(gpus)
     note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
     if not lease:
         held = read_leases()
-        candidates = assess(gpus, held, request, visible, note, _holder_pids(held))
+        candidates = assess(devices, held, request, visible, note, _holder_pids(held))
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
-    with directory_lock() as path:
-        live = read_leases(path, cleanup=True)
-        candidates = assess(gpus, live, request, visible, note, _holder_pids(live))
-        chosen = _choose(candidates, request)
-        if not chosen:
+    for attempt in range(_RACE_RETRIES):
+        live = read_leases(cleanup=True)
+        candidates = assess(devices, live, request, visible, note, _holder_pids(live))
+        if not _choose(candidates, request):
             return None, candidates, _no_gpu_reason(gpus)
-        held = Lease.reserve(path, [c.gpu.uuid for c in chosen],
-                             memory=request.min_free, share=request.share, command=command)
-    return Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request), held), \
-        candidates, ""
+        ordered = _ordered([c for c in candidates if c.eligible], request.order)
+        by_uuid = {c.gpu.uuid: c for c in ordered}
+        judge = _share_judge(by_uuid, request, visible, note) if request.share else None
+        held, refused = Lease.take(list(by_uuid), count=request.count, memory=request.min_free,
+                                   share=request.share, command=command, judge=judge)
+        candidates = [Candidate(c.gpu, c.available, (refused[c.gpu.uuid],))
+                      if c.gpu.uuid in refused else c for c in candidates]
+        if held is not None:
+            chosen = [by_uuid[uuid] for uuid in held.gpu_uuids]
+            return Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request),
+                             held), candidates, ""
+        import random  # imported here, like below: only a lost race needs it
+
+        time.sleep(random.uniform(0.005, 0.03) * (attempt + 1))
+    return None, candidates, ""
+
+
+def _share_judge(by_uuid: dict[str, Candidate], request: _Request, visible: set[str],
+                 note: str) -> Any:
+    """For a share request: with the device locked, does its budget still fit? (None: yes)."""
+    def judge(uuid: str, live: Sequence[LeaseRecord]) -> str | None:
+        (fresh,) = assess([by_uuid[uuid].gpu], live, request, visible, note, _holder_pids(live))
+        return None if fresh.eligible else "; ".join(fresh.reasons)
+
+    return judge
 
 
 def _holder_pids(leases: Sequence[LeaseRecord]) -> dict[int, set[int]]:
@@ -435,5 +441,5 @@ def _make_request(count: Any, min_free_memory: Any, max_utilization: Any, exclud
         raise InvalidValueError(
             "share=True needs min_free_memory: the memory budget this job claims on a shared GPU"
         )
-    return _Request(n, min_free, max_util, _parse_exclude(exclude), order, frozenset(users),
+    return _Request(n, min_free, max_util, parse_exclude(exclude), order, frozenset(users),
                     bool(share))

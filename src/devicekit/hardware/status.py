@@ -65,6 +65,8 @@ class StatusReport:
             entry["capability"] = {"score": round(cap.score, 1), "source": cap.source}
             for mig, mig_entry in zip(gpu.mig_devices, entry["mig_devices"], strict=True):
                 mig_entry["memory_free"] = mig.memory_free
+                mig_entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])
+                                       if r.gpu_uuid == mig.uuid]
             entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])]
             gpus.append(entry)
         return {

@@ -199,7 +199,23 @@ def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
             (_power_cell(gpu), ""),
             _speed_cell(cap),
             (_users(gpu), ""),
-            (_lease_cell(grouped.get(gpu.uuid, [])), ""),
+            (_lease_cell([r for r in grouped.get(gpu.uuid, []) if r.gpu_uuid == gpu.uuid]), ""),
+        ])
+        rows.extend(_mig_rows(gpu, grouped.get(gpu.uuid, [])))
+    return rows
+
+
+def _mig_rows(gpu: GPU, leases: list[LeaseRecord]) -> list[list[tuple[str, str]]]:
+    """One row per MIG instance under its GPU: ``2/0  └ MIG 1g.10gb``, its memory and lease."""
+    from devicekit.hardware.mig import instance_device
+
+    rows = []
+    for mig in gpu.mig_devices:
+        memory, memory_style = _memory_cell(instance_device(gpu, mig))
+        rows.append([
+            (f"{gpu.index}/{mig.index}", "dim"), (f"└ MIG {mig.name}", ""), ("", ""), ("", ""),
+            (memory, memory_style), ("", ""), ("", ""), ("", ""), ("", ""),
+            (_lease_cell([r for r in leases if r.gpu_uuid == mig.uuid]), ""),
         ])
     return rows
 
@@ -297,10 +313,12 @@ def _lease_table(report: StatusReport, now: float) -> Any:
     from devicekit.hardware.status import leases_by_gpu
 
     index_of = {g.uuid: g.index for g in report.gpus}
+    mig_of = {m.uuid: m.index for g in report.gpus for m in g.mig_devices}
     grouped, orphans = leases_by_gpu(report.gpus, report.leases)
     rows = sorted(((index_of[uuid], r) for uuid, records in grouped.items() for r in records),
                   key=lambda row: (row[0], row[1].since))
-    labelled = [(str(index), r) for index, r in rows]
+    labelled = [(f"{index}/{mig_of[r.gpu_uuid]}" if r.gpu_uuid in mig_of else str(index), r)
+                for index, r in rows]
     labelled += [(r.gpu_uuid, r) for r in orphans]  # a GPU no longer present: show its UUID
     table = Table(title="Leases", title_justify="left", box=None, pad_edge=False,
                   header_style="bold")
@@ -315,5 +333,5 @@ def _lease_table(report: StatusReport, now: float) -> Any:
         table.add_row(gpu_label, r.user, r.host, str(r.pid), _age(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
-                      _short(r.command))
+                      _short(r.command) if r.kind == "lease" else f"(lock only) {_short(r.command)}")
     return table
