@@ -250,7 +250,24 @@ def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> 
     yield check_device_order(inv, env)
     yield check_visible_devices(inv, env)
     yield check_lease_dir()
+    yield check_pid_namespace(inv, env)
     yield check_launcher(env, visible_gpus=_visible_count(inv, env))
+
+
+def check_pid_namespace(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """A container's own PID namespace hides who uses the GPUs (NVML gives host pids)."""
+    from devicekit.hardware.container import pid_isolation
+
+    iso = pid_isolation((p.pid for g in inv.gpus for p in g.processes), env)
+    hints = f" (hints: {', '.join(iso.hints)})" if iso.hints else ""
+    if iso.own_namespace is None and not iso.foreign_pids:
+        return Check("pid_namespace", "skip", "no /proc here: cannot tell")
+    note = iso.note()
+    if note is None:
+        return Check("pid_namespace", "pass", "the host's PID namespace: GPU processes can be"
+                     f" named{hints}")
+    return Check("pid_namespace", "warn", note + "; run 'devicekit run' (and leases) in the"
+                 " same container or mount one lease directory into every container" + hints)
 
 
 def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:
