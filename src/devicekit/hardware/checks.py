@@ -258,7 +258,9 @@ def check_pid_namespace(inv: Inventory, env: Mapping[str, str]) -> Check:
     """A container's own PID namespace hides who uses the GPUs (NVML gives host pids)."""
     from devicekit.hardware.container import pid_isolation
 
-    iso = pid_isolation((p.pid for g in inv.gpus for p in g.processes), env)
+    # simulated processes are made up: only NVML's pids say anything about this /proc
+    pids = [p.pid for g in inv.gpus for p in g.processes] if inv.backend == "nvml" else []
+    iso = pid_isolation(pids, env)
     hints = f" (hints: {', '.join(iso.hints)})" if iso.hints else ""
     if iso.own_namespace is None and not iso.foreign_pids:
         return Check("pid_namespace", "skip", "no /proc here: cannot tell")

@@ -134,7 +134,9 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
     if gpus:
         from devicekit.hardware.container import pid_isolation
 
-        hidden = pid_isolation(p.pid for g in gpus for p in g.processes).note()
+        # simulated processes are made up: only NVML's pids say anything about this /proc
+        pids = [p.pid for g in gpus for p in g.processes] if source.name == "nvml" else []
+        hidden = pid_isolation(pids).note()
         if hidden:
             warnings.append(hidden)  # GPUs that look unused may be used from outside
     leases: tuple[LeaseRecord, ...] = ()
