@@ -220,4 +220,5 @@ def test_run_checks_on_a_simulated_machine(simulate):
     assert by_name["cuda_device_order"].status == "warn"  # mixed models, index, no PCI_BUS_ID
     assert summarize(checks)["fail"] == 0
     assert [c.name for c in run_checks(env={}, torch=False)] == [
-        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "launcher"]
+        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "pid_namespace",
+        "launcher"]
