@@ -266,8 +266,7 @@ def check_pid_namespace(inv: Inventory, env: Mapping[str, str]) -> Check:
         return Check("pid_namespace", "skip", "no /proc here: cannot tell")
     note = iso.note()
     if note is None:
-        return Check("pid_namespace", "pass", "the host's PID namespace: GPU processes can be"
-                     f" named{hints}")
+        return Check("pid_namespace", "pass", "the host's: GPU processes are named in status")
     return Check("pid_namespace", "warn", note + "; run 'devicekit run' (and leases) in the"
                  " same container or mount one lease directory into every container" + hints)
 
