@@ -108,6 +108,11 @@ def test_srun_several_tasks_per_node_asking_for_several_processes_is_refused() -
         plan(srun(3, 8, 3, 0, 2, 4), gpus=4)
 
 
+def test_srun_task_refuses_torchrun_only_options() -> None:
+    with pytest.raises(DeviceKitError, match="--max-restarts is a torchrun option.*ntasks-per-node=1"):
+        plan(srun(3, 8, 3, 0, 2, 4), max_restarts=2)
+
+
 def test_sbatch_script_itself_is_not_a_task() -> None:
     batch = {k: v for k, v in srun(0, 8, 0, 0, 2, 4).items() if k != "SLURM_STEP_ID"}
     with pytest.raises(DeviceKitError, match="batch script of a Slurm job on 2 nodes.*srun"):

@@ -7,7 +7,6 @@ spelling torchrun would not accept fails here.
 from __future__ import annotations
 
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,6 +83,12 @@ def test_one_process_with_max_restarts_runs_under_torchrun(capsys: pytest.Captur
 def test_explicit_standalone(capsys: pytest.CaptureFixture[str]) -> None:
     code, lines, _ = dry_run(capsys, "--standalone", "--procs", "2")
     assert code == 0 and torchrun_args(lines).standalone
+
+
+def test_rendezvous_flags_are_never_ignored_for_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    code, lines, _ = dry_run(capsys, "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29412")
+    assert code == 0
+    assert torchrun_args(lines).rdzv_endpoint == "localhost:29412"  # not a plain direct exec
 
 
 @pytest.mark.parametrize(
@@ -165,4 +170,3 @@ def test_run_help_lists_the_torchrun_spellings() -> None:
     for name in ("--nproc-per-node", "--max-restarts", "--rdzv-endpoint", "--standalone",
                  "--log-dir", "--exclude", "--max-util", "--dry-run"):
         assert name in text, name
-    assert sys.executable  # the CLI needs no subprocess for --help

@@ -125,8 +125,9 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
 def _counts(request: RunRequest, world: World) -> tuple[int | str | None, int | None]:
     """(gpus, procs) for the allocation: the flags, or one rank's share, or the launcher's count."""
     if world.task is not None:  # one rank the launcher started: its own --gpus-per-proc GPU(s)
-        return (request.gpus if request.gpus is not None else None), (
-            None if request.gpus is not None or request.gpu_ids else 1)
+        if request.gpus is not None or request.gpu_ids:
+            return request.gpus, None
+        return None, 1
     if asked_procs(request) is None and world.default_procs is not None:
         if world.default_procs == "all":
             from devicekit.hardware.inventory import gpus as inventory_gpus
@@ -161,7 +162,9 @@ def _build(request: RunRequest, world: World, allocation: Allocation,
             notes.append("this rank sees only its own GPU(s), as cuda:0 (dk.dist.device() says so;"
                          " not cuda:LOCAL_RANK)")
         return RunPlan(command, env, allocation, notes)
-    torchrun_only = request.max_restarts or request.log_dir
+    # torchrun's own options: then even one process runs under torchrun, never ignoring them
+    torchrun_only = (request.max_restarts or request.log_dir or request.standalone
+                     or request.rdzv_backend or request.rdzv_endpoint or request.rdzv_id)
     if allocation.nprocs == 1 and world.own and not torchrun_only:
         # torchrun's variables for a world of one: a script written for torchrun runs as is
         env.update(single_process_variables(_free_port()))

@@ -188,7 +188,8 @@ def _under(outer: OuterJob, request: RunRequest) -> World:
     several = asked == "all" or (asked is not None and int(asked) > 1)
     if not several:
         torchrun_only = [flag for flag, value in (("--max-restarts", request.max_restarts),
-                                                  ("--log-dir", request.log_dir)) if value]
+                                                  ("--log-dir", request.log_dir),
+                                                  ("--standalone", request.standalone)) if value]
         if torchrun_only:
             raise LaunchError(
                 f"{torchrun_only[0]} is a torchrun option, but {outer.launcher} started the ranks"
