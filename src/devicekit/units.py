@@ -95,7 +95,11 @@ def format_size(num_bytes: int | float, *, precision: int = 1) -> str:
 
 
 def parse_percent(value: str | int | float, *, name: str = "percentage") -> float:
-    """Parse ``80``, ``"80"`` or ``"80%"`` into 80.0; raise naming the value if outside 0-100."""
+    """Parse ``80``, ``"80"`` or ``"80%"`` into 80.0; raise naming the value if outside 0-100.
+
+    A bare value strictly between 0 and 1 (``0.5``) is refused as a fraction written where a
+    percent is meant; ``"0.5%"`` is accepted.
+    """
     text = str(value).strip().rstrip("%") if not isinstance(value, bool) else "x"
     try:
         pct = float(text)
@@ -103,4 +107,9 @@ def parse_percent(value: str | int | float, *, name: str = "percentage") -> floa
         raise InvalidSizeError(f"{name} {value!r} is not a percentage; write e.g. 50 or '50%'") from None
     if not 0 <= pct <= 100 or math.isnan(pct):
         raise InvalidSizeError(f"{name} {value!r} must be between 0 and 100")
+    if 0 < pct < 1 and not str(value).strip().endswith("%"):
+        # GPUtil's maxLoad=0.5 habit: a fraction where a percent is meant, not 0.5 %
+        raise InvalidSizeError(
+            f"{name} {value!r} looks like a fraction; percentages go from 0 to 100: write"
+            f" {pct * 100:g} for {pct * 100:g} %, or '{value}%' if you mean {value} %")
     return pct

@@ -215,9 +215,10 @@ def test_run_checks_on_a_simulated_machine(simulate):
     checks = run_checks(env={"CUDA_VISIBLE_DEVICES": "1"})
     names = [c.name for c in checks]
     assert names == ["nvml", "gpus", "torch", "nccl", "cuda_device_order", "cuda_visible_devices",
-                     "lease_dir", "launcher"]
+                     "lease_dir", "pid_namespace", "launcher"]
     by_name = {c.name: c for c in checks}
     assert by_name["cuda_device_order"].status == "warn"  # mixed models, index, no PCI_BUS_ID
     assert summarize(checks)["fail"] == 0
     assert [c.name for c in run_checks(env={}, torch=False)] == [
-        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "launcher"]
+        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "pid_namespace",
+        "launcher"]

@@ -15,8 +15,9 @@ import os
 
 import click
 
+from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
 from devicekit.hardware.selection import ORDERS, select_gpus
-from devicekit.units import format_size, parse_percent, parse_size
+from devicekit.units import format_size, parse_size
 
 __all__ = ["command"]
 
@@ -46,17 +47,12 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs.
 """
 
 
-def _exclude(values: tuple[str, ...]) -> list[str]:
-    return [part.strip() for value in values for part in value.split(",") if part.strip()]
-
-
 @click.command("select", help=_HELP, short_help="Pick free GPUs; print CUDA_VISIBLE_DEVICES.")
 @click.option("-n", "--count", default="1", show_default=True, metavar="N",
               help="How many GPUs (or 'all': every eligible one).")
 @click.option("--min-free", metavar="SIZE", help="Free memory each GPU needs, with a unit, e.g. 20GiB (GB, G also mean GiB).")
-@click.option("--max-util", metavar="PCT", help="Highest utilization accepted, in percent.")
-@click.option("--exclude", "exclude", multiple=True, metavar="ID",
-              help="GPU index or UUID to skip; repeat or comma-separate.")
+@max_util_option
+@exclude_option
 @click.option("--order", type=click.Choice(ORDERS), default="free-memory", show_default=True,
               help="Which eligible GPUs come first.")
 @click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
@@ -89,9 +85,9 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
         raise click.UsageError("--share needs --min-free SIZE: the memory budget this job claims")
     # parsed here so that an error names the option the user typed
     min_free_bytes = parse_size(min_free, name="--min-free") if min_free is not None else None
-    util = parse_percent(max_util, name="--max-util") if max_util is not None else None
+    util = parse_max_util(max_util)
     selection = select_gpus(
-        n, min_free_memory=min_free_bytes, max_utilization=util, exclude=_exclude(exclude),
+        n, min_free_memory=min_free_bytes, max_utilization=util, exclude=parse_exclude(exclude),
         order=order, wait=wait, lease=False, share=share, account_as_free=users,
     )
     click.echo(selection.visible_devices_value(fmt))

@@ -250,7 +250,25 @@ def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> 
     yield check_device_order(inv, env)
     yield check_visible_devices(inv, env)
     yield check_lease_dir()
+    yield check_pid_namespace(inv, env)
     yield check_launcher(env, visible_gpus=_visible_count(inv, env))
+
+
+def check_pid_namespace(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """A container's own PID namespace hides who uses the GPUs (NVML gives host pids)."""
+    from devicekit.hardware.container import pid_isolation
+
+    # simulated processes are made up: only NVML's pids say anything about this /proc
+    pids = [p.pid for g in inv.gpus for p in g.processes] if inv.backend == "nvml" else []
+    iso = pid_isolation(pids, env)
+    hints = f" (hints: {', '.join(iso.hints)})" if iso.hints else ""
+    if iso.own_namespace is None and not iso.foreign_pids:
+        return Check("pid_namespace", "skip", "no /proc here: cannot tell")
+    note = iso.note()
+    if note is None:
+        return Check("pid_namespace", "pass", "the host's: GPU processes are named in status")
+    return Check("pid_namespace", "warn", note + "; run 'devicekit run' (and leases) in the"
+                 " same container or mount one lease directory into every container" + hints)
 
 
 def _visible_count(inv: Inventory, env: Mapping[str, str]) -> int | None:

@@ -133,6 +133,14 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
     if source.name == "none" and reason:
         warnings.append(str(reason))
     warnings.extend(str(p) for p in getattr(source, "problems", ()))
+    if gpus:
+        from devicekit.hardware.container import pid_isolation
+
+        # simulated processes are made up: only NVML's pids say anything about this /proc
+        pids = [p.pid for g in gpus for p in g.processes] if source.name == "nvml" else []
+        hidden = pid_isolation(pids).note()
+        if hidden:
+            warnings.append(hidden)  # GPUs that look unused may be used from outside
     leases: tuple[LeaseRecord, ...] = ()
     if include_leases and _lease_dir_exists():  # a read-only look: never create the directory
         from devicekit.hardware.leases import read_leases

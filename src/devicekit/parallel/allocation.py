@@ -21,6 +21,7 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,10 +90,16 @@ def allocate(
     min_free_memory: int | str | None = None,
     wait: float | None = None,
     command: str | None = None,
+    gpu_ids: Sequence[str | int] | None = None,
+    exclude: Sequence[str | int] = (),
+    max_utilization: float | str | None = None,
 ) -> Allocation:
     """Decide the processes and lease their GPUs.
 
     ``gpus``: a count, ``"all"`` (every GPU that passes the filters) or None (not asked).
+    ``gpu_ids``: exactly these GPUs (indices or UUIDs), rank 0 on the first; all of them must
+    pass the filters or nothing is leased. ``exclude`` and ``max_utilization`` filter as in
+    :func:`~devicekit.hardware.selection.select_gpus`.
     ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
     ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
     GPU and ``gpus`` not given, ``procs`` (default 1) CPU processes; ``gpus`` given but no GPU
@@ -116,6 +123,17 @@ def allocate(
     if gpus != "all":
         _positive("gpus", gpus)  # type: ignore[arg-type]
     present = inventory_gpus()
+    ids: list[str] = []
+    if gpu_ids:
+        if gpus is not None:
+            raise InvalidValueError(f"GPU ids {','.join(map(str, gpu_ids))} and --gpus {gpus} both"
+                                    " say which GPUs; give one")
+        if not present:
+            raise NoDeviceAvailable(
+                f"GPUs {','.join(map(str, gpu_ids))} asked but this machine has no GPU; drop them to"
+                " run on the CPU", [getattr(backend(), "reason", "no GPU found")])
+        ids = _resolve_ids(present, gpu_ids)
+        gpus = len(ids)
     if not present:
         if gpus is not None:
             why = getattr(backend(), "reason", "no GPU found")
@@ -150,7 +168,19 @@ def allocate(
         count = gpus
     else:
         count = (procs or 1) * gpus_per_proc
-    selection = _select(count, gpus_per_proc, min_free_memory, wait, command)
+    filters = {"min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
+               "max_utilization": max_utilization,
+               "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids)]}
+    if ids:
+        named = [p.strip() for e in exclude for p in str(e).split(",") if p.strip()]
+        clash = [e for e in named if _resolve_ids(present, [e])[0] in ids]
+        if clash:
+            raise InvalidValueError(f"GPU {clash[0]!r} is both asked for and excluded; drop it"
+                                    " from one of the lists")
+        selection = _lease(count, gpus_per_proc, filters)
+        selection.gpus = sorted(selection.gpus, key=lambda g: ids.index(g.uuid))  # as asked
+    else:
+        selection = _strongest_first(_lease(count, gpus_per_proc, filters))
     chosen = len(selection.gpus)
     nprocs = chosen // gpus_per_proc
     names = ", ".join(f"GPU {g.index} ({g.name}, {_free(g)} free)" for g in selection.gpus)
@@ -212,19 +242,29 @@ def positive_count(value: Any, name: str = "procs") -> int:
     return value
 
 
-def _select(count: int | None, per_proc: int, min_free: Any, wait: float | None,
-            command: str | None) -> Any:
-    """Lease the GPUs, then order them strongest first: rank 0 (and ``cuda:0``) gets the
-    strongest, so on a mixed machine the rank that logs, saves and evaluates is not the slowest."""
-    return _strongest_first(_lease(count, per_proc, min_free, wait, command))
+def _resolve_ids(present: Sequence[Any], ids: Sequence[str | int]) -> list[str]:
+    """UUIDs of the GPUs named by index or (a prefix of) UUID; one-line errors for typos."""
+    uuids: list[str] = []
+    for raw in ids:
+        entry = str(raw).strip()
+        if entry.isdigit():
+            found = [g for g in present if g.index == int(entry)]
+        else:
+            found = [g for g in present if entry and g.uuid.lower().startswith(entry.lower())]
+        if len(found) != 1:
+            why = "matches several GPUs" if found else "matches no GPU"
+            raise InvalidValueError(
+                f"GPU {entry!r} {why}; use an index or UUID from 'devicekit status'")
+        if found[0].uuid in uuids:
+            raise InvalidValueError(f"GPU {entry!r} is named twice")
+        uuids.append(found[0].uuid)
+    return uuids
 
 
-def _lease(count: int | None, per_proc: int, min_free: Any, wait: float | None,
-           command: str | None) -> Any:
+def _lease(count: int | None, per_proc: int, kwargs: dict[str, Any]) -> Any:
+    """Lease the GPUs (``count`` of them, or every eligible one rounded to whole processes)."""
     from devicekit.hardware.selection import select_gpus
 
-    kwargs: dict[str, Any] = {"min_free_memory": min_free, "wait": wait, "lease": True,
-                              "command": command}
     if count is not None:
         return select_gpus(count, **kwargs)
     # "all": every GPU that passes the filters, rounded down to whole processes
@@ -237,6 +277,8 @@ def _lease(count: int | None, per_proc: int, min_free: Any, wait: float | None,
 
 
 def _strongest_first(selection: Any) -> Any:
+    """Rank 0 (and ``cuda:0``) gets the strongest GPU, so on a mixed machine the rank that logs,
+    saves and evaluates is not the slowest."""
     from devicekit.hardware.capability import strongest_first
 
     selection.gpus = strongest_first(selection.gpus)

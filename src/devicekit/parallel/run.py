@@ -6,11 +6,10 @@ torchrun (``python -m devicekit.parallel.torchrun_entry``: torchrun's own parser
 exiting with the failed rank's code instead of 1), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
-the child also gets SIGTERM when ``devicekit run`` dies (no orphans), and descendants it
-leaves behind (torchrun starts each rank in its own session) are stopped when it exits. SIGINT, SIGTERM and SIGHUP
-sent to ``devicekit run`` are forwarded to the child's process group; the exit code comes back
-(128 + N for a child killed by signal N, and for a torchrun job that failed after signal N was
-forwarded: torchrun itself would say 1).
+supervision (signals, exit codes, no orphans) is :mod:`devicekit.parallel.supervise`.
+Under an outer launcher (srun, mpirun, torchrun, a Kubeflow pod) the world comes from it
+(:mod:`devicekit.parallel.run_world`): the command runs as the rank the launcher started, or
+torchrun runs on this node with the launcher's node count, node rank and master.
 
 Usage::
 
@@ -21,32 +20,31 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from devicekit.errors import CommandNotFoundError, InvalidValueError, LaunchError
+from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
 from devicekit.parallel.allocation import Allocation, allocate
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
-from devicekit.parallel.environments.base import DEFAULT_PORT, check_resolvable, is_loopback
+from devicekit.parallel.environments import DistEnv
+from devicekit.parallel.environments.base import DEFAULT_PORT
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
+from devicekit.parallel.run_world import World, asked_procs, resolve_world
+from devicekit.parallel.supervise import execute
 from devicekit.parallel.threads import omp_threads, usable_cores
 
-__all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND"]
+__all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND",
+           "rank_variables", "single_process_variables"]
 
 #: the bundled example, run when no command is given
 EXAMPLE_COMMAND = ("-m", "devicekit.examples")
-#: after forwarding a signal, how long the child may take before its group is killed
-KILL_AFTER_SECONDS = 15.0
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: variables a devicekit job sets for its ranks: stale in a new job's environment
+_STALE = (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
+          "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @dataclass
@@ -54,15 +52,32 @@ class RunRequest:
     """The ``devicekit run`` flags."""
 
     command: list[str] = field(default_factory=list)
+    #: a count, "all", or None (not asked)
     gpus: int | str | None = None
     procs: int | None = None
     gpus_per_proc: int = 1
     min_free_memory: int | str | None = None
     wait: float | None = None
-    nnodes: int = 1
+    #: "N" or "MIN:MAX"; None: one node, or what the outer launcher says
+    nnodes: str | None = None
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    #: explicit GPUs (indices or UUIDs), in the order the ranks get them
+    gpu_ids: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    max_utilization: float | None = None
+    # torchrun's own options, passed to it
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    standalone: bool = False
+    max_restarts: int | None = None
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nnodes is not None:
+            self.nnodes = str(self.nnodes)
 
 
 #: the module ``devicekit run`` starts for several processes or nodes (torchrun underneath)
@@ -86,66 +101,121 @@ class RunPlan:
 def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
     """Check the flags, lease the GPUs and build the command line (nothing is started yet)."""
     environ = dict(os.environ if environ is None else environ)
-    _check_nodes(request)
+    world = resolve_world(request, environ)  # before any lease: a typo must not wait for it
+    gpus, procs = _counts(request, world)
     allocation = allocate(
-        request.gpus,
-        request.procs,
+        gpus,
+        procs,
         gpus_per_proc=request.gpus_per_proc,
         min_free_memory=request.min_free_memory,
         wait=request.wait,
         command=shlex.join(request.command) if request.command else "devicekit run (example)",
+        gpu_ids=request.gpu_ids or None,
+        exclude=request.exclude,
+        max_utilization=request.max_utilization,
     )
     try:
         _check_torch_can_use(allocation)
-        notes = [allocation.reason, *(f"  not chosen: {line}" for line in allocation.rejected)]
-        command = _command(request.command)
-        env = dict(environ)
-        for stale in (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
-                      "TORCHELASTIC_USE_AGENT_STORE"):
-            env.pop(stale, None)  # left by an outer devicekit job: they would mislead the ranks
-        env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
-        if allocation.on_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = allocation.cuda_visible_devices
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            notes.append(f"CUDA_VISIBLE_DEVICES={allocation.cuda_visible_devices}")
-        if allocation.nprocs == 1 and request.nnodes == 1:
-            # torchrun's variables for a world of one: a script written for torchrun runs as is
-            env.update(single_process_variables(_free_port()))
-            return RunPlan(command, env, allocation, notes)
-        addr = request.master_addr or "127.0.0.1"
-        # one node and no port asked for: torchrun binds a free port itself (its c10d
-        # rendezvous on localhost:0), so no other process can take it between choice and bind
-        port = request.master_port or (DEFAULT_PORT if request.nnodes > 1 else None)
-        if request.nnodes > 1 and is_loopback(addr):
-            env[LOOPBACK_OK_ENV] = "1"
-            notes.append(
-                f"master address {addr} is loopback: all {request.nnodes} nodes must run on this"
-                " host (a rehearsal); use the master's host name for real machines"
-            )
-        if allocation.nprocs > 1 and "OMP_NUM_THREADS" not in env:
-            # deliberately, instead of torchrun's banner in every run setting it to 1
-            threads = omp_threads(allocation.nprocs)
-            env["OMP_NUM_THREADS"] = str(threads)
-            notes.append(f"OMP_NUM_THREADS={threads} ({usable_cores()} usable cores /"
-                         f" {allocation.nprocs} processes; set OMP_NUM_THREADS to choose)")
-        argv = [
-            sys.executable, "-m", TORCHRUN_ENTRY,  # torchrun, with the ranks' exit codes kept
-            "--nnodes", str(request.nnodes),
-            "--node-rank", str(request.node_rank or 0),
-            "--nproc-per-node", str(allocation.nprocs),
-            *(["--master-addr", addr, "--master-port", str(port)] if port is not None else []),
-            "--no-python",
-            *command,
-        ]
-        master = f"{addr}:{port}" if port is not None else "this host, a port torchrun picks"
-        notes.append(
-            f"torchrun: {allocation.nprocs} process(es) on node {request.node_rank or 0} of"
-            f" {request.nnodes}, master {master}"
-        )
-        return RunPlan(argv, env, allocation, notes)
+        return _build(request, world, allocation, environ)
     except BaseException:
         allocation.release()
         raise
+
+
+def _counts(request: RunRequest, world: World) -> tuple[int | str | None, int | None]:
+    """(gpus, procs) for the allocation: the flags, or one rank's share, or the launcher's count."""
+    if world.task is not None:  # one rank the launcher started: its own --gpus-per-proc GPU(s)
+        if request.gpus is not None or request.gpu_ids:
+            return request.gpus, None
+        return None, 1
+    if asked_procs(request) is None and world.default_procs is not None:
+        if world.default_procs == "all":
+            from devicekit.hardware.inventory import gpus as inventory_gpus
+
+            return ("all", None) if inventory_gpus() else (None, 1)
+        return None, int(world.default_procs)
+    return request.gpus, request.procs
+
+
+def _build(request: RunRequest, world: World, allocation: Allocation,
+           environ: Mapping[str, str]) -> RunPlan:
+    notes = [*world.notes, allocation.reason,
+             *(f"  not chosen: {line}" for line in allocation.rejected)]
+    command = _command(request.command)
+    env = {k: v for k, v in environ.items() if k not in _STALE}
+    env[GPUS_PER_PROC_ENV] = str(request.gpus_per_proc)
+    if allocation.on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = allocation.cuda_visible_devices
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        notes.append(f"CUDA_VISIBLE_DEVICES={allocation.cuda_visible_devices}")
+    if world.task is not None:
+        if allocation.nprocs != 1:
+            raise LaunchError(
+                f"{allocation.nprocs} processes leased for one rank of {world.outer.launcher if world.outer else 'the launcher'};"
+                " give --gpus equal to --gpus-per-proc")
+        env.update(rank_variables(world.task))
+        if "TORCHELASTIC_USE_AGENT_STORE" in environ and world.task.source == "torchrun":
+            # a rank of a real torchrun: its agent serves the store at MASTER_PORT already
+            env["TORCHELASTIC_USE_AGENT_STORE"] = environ["TORCHELASTIC_USE_AGENT_STORE"]
+        if allocation.on_gpu:
+            env[OWN_DEVICES_ENV] = "1"  # CUDA_VISIBLE_DEVICES holds this rank's GPU(s) alone
+            notes.append("this rank sees only its own GPU(s), as cuda:0 (dk.dist.device() says so;"
+                         " not cuda:LOCAL_RANK)")
+        return RunPlan(command, env, allocation, notes)
+    # torchrun's own options: then even one process runs under torchrun, never ignoring them
+    torchrun_only = (request.max_restarts or request.log_dir or request.standalone
+                     or request.rdzv_backend or request.rdzv_endpoint or request.rdzv_id)
+    if allocation.nprocs == 1 and world.own and not torchrun_only:
+        # torchrun's variables for a world of one: a script written for torchrun runs as is
+        env.update(single_process_variables(_free_port()))
+        return RunPlan(command, env, allocation, notes)
+    if world.loopback_rehearsal:
+        env[LOOPBACK_OK_ENV] = "1"
+    if allocation.nprocs > 1 and "OMP_NUM_THREADS" not in env:
+        # deliberately, instead of torchrun's banner in every run setting it to 1
+        threads = omp_threads(allocation.nprocs)
+        env["OMP_NUM_THREADS"] = str(threads)
+        notes.append(f"OMP_NUM_THREADS={threads} ({usable_cores()} usable cores /"
+                     f" {allocation.nprocs} processes; set OMP_NUM_THREADS to choose)")
+    argv = [sys.executable, "-m", TORCHRUN_ENTRY,  # torchrun, with the ranks' exit codes kept
+            *torchrun_options(world, allocation.nprocs, request), "--no-python", *command]
+    notes.append(_torchrun_note(world, allocation.nprocs))
+    return RunPlan(argv, env, allocation, notes)
+
+
+def torchrun_options(world: World, nprocs: int, request: RunRequest) -> list[str]:
+    """torchrun's options for this node (every one spelled out, so no PET_* default applies)."""
+    options = ["--nnodes", world.nnodes, "--nproc-per-node", str(nprocs)]
+    if world.standalone:
+        options.append("--standalone")
+    elif world.rdzv_endpoint is not None or (world.rdzv_backend or "static") != "static":
+        options += ["--rdzv-backend", world.rdzv_backend or "static"]
+        options += ["--rdzv-endpoint", world.rdzv_endpoint or ""]
+        if world.node_rank is not None:
+            options += ["--node-rank", str(world.node_rank)]
+    else:
+        options += ["--node-rank", str(world.node_rank or 0),
+                    "--master-addr", world.master_addr or "127.0.0.1",
+                    "--master-port", str(world.master_port or DEFAULT_PORT)]
+    if world.rdzv_id is not None:
+        options += ["--rdzv-id", world.rdzv_id]
+    if request.max_restarts:
+        options += ["--max-restarts", str(request.max_restarts)]
+    if request.log_dir:
+        # per-rank files under DIR (torchrun's layout), and still on the console
+        options += ["--log-dir", request.log_dir, "--tee", "3"]
+    return options
+
+
+def _torchrun_note(world: World, nprocs: int) -> str:
+    if world.standalone:
+        master = "this host, torchrun's standalone rendezvous on a free port"
+    elif world.rdzv_endpoint:
+        master = f"rendezvous {world.rdzv_backend or 'static'} at {world.rdzv_endpoint}"
+    else:
+        master = f"master {world.master_addr or '127.0.0.1'}:{world.master_port or DEFAULT_PORT}"
+    node = world.node_rank if world.node_rank is not None else (0 if world.max_nodes == 1 else "?")
+    return f"torchrun: {nprocs} process(es) on node {node} of {world.nnodes}, {master}"
 
 
 def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
@@ -160,56 +230,19 @@ def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
         plan.allocation.release()
 
 
-def execute(plan: RunPlan) -> int:
-    """Start the plan's command, forward signals to its process group, wait; its exit code."""
-    try:
-        child = subprocess.Popen(
-            plan.argv,
-            env=plan.env,
-            pass_fds=plan.allocation.lease_fds,
-            preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
-        )
-    except OSError as exc:
-        raise CommandNotFoundError(
-            f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
-        ) from None
-    with contextlib.suppress(OSError):
-        os.setpgid(child.pid, child.pid)  # also from here, so it holds before we signal
-    forwarded: list[float] = []
-    signals: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.append(time.monotonic())
-        signals.append(signum)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signum)
-
-    # torchrun starts each rank in a session of its own: the ranks are not in the child's
-    # process group, so remember the child's descendants to stop any it leaves behind
-    family = _Descendants(child.pid)
-    ticks = 0
-    with _terminal_given_to(child.pid), _handlers(forward):
-        while True:
-            try:
-                code = child.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                ticks += 1
-                if ticks % 5 == 1:
-                    family.update()
-                if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
-                    family.update()
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(child.pid, signal.SIGKILL)
-    _reap_group(child.pid)
-    family.stop_survivors()
-    if code < 0:
-        return 128 - code
-    if signals and code != 0 and plan.distributed:
-        # torchrun turns a signal into its own exit code 1 (SignalException): give back the
-        # shell's 128 + N for the signal that stopped the job, as for a single process
-        return 128 + signals[0]
-    return code
+def rank_variables(task: DistEnv) -> dict[str, str]:
+    """torchrun's variables for one rank a launcher started (Slurm / MPI ones marked as such)."""
+    values = {
+        "RANK": task.rank, "LOCAL_RANK": task.local_rank, "WORLD_SIZE": task.world_size,
+        "LOCAL_WORLD_SIZE": task.local_world_size, "GROUP_RANK": task.node_rank,
+        "GROUP_WORLD_SIZE": task.nnodes, "ROLE_RANK": task.rank, "ROLE_WORLD_SIZE": task.world_size,
+        "MASTER_ADDR": task.master_addr, "MASTER_PORT": task.master_port,
+    }
+    env = {key: str(value) for key, value in values.items()}
+    if task.source in ("slurm", "mpi"):
+        # so that dk.dist.env() in the command still reads Slurm / MPI (its device binding)
+        env[PUBLISHED_MARKER] = f"{task.source}:{task.rank}:{task.world_size}:{task.master_port}"
+    return env
 
 
 def single_process_variables(port: int) -> dict[str, str]:
@@ -243,28 +276,6 @@ def _check_torch_can_use(allocation: Allocation) -> None:
         )
 
 
-def _check_nodes(request: RunRequest) -> None:
-    if request.nnodes < 1:
-        raise InvalidValueError(f"--nnodes {request.nnodes} must be at least 1")
-    if request.nnodes > 1:
-        if request.master_addr is None:
-            raise InvalidValueError(
-                f"--nnodes {request.nnodes} needs --master-addr (the host name of node 0)"
-            )
-        if request.node_rank is None:
-            raise InvalidValueError(
-                f"--nnodes {request.nnodes} needs --node-rank (0 to {request.nnodes - 1}) on every node"
-            )
-    if request.node_rank is not None and not 0 <= request.node_rank < request.nnodes:
-        raise InvalidValueError(
-            f"--node-rank {request.node_rank} must be between 0 and {request.nnodes - 1}"
-        )
-    if request.master_port is not None and not 0 < request.master_port < 65536:
-        raise InvalidValueError(f"--master-port {request.master_port} is not a TCP port (1-65535)")
-    if request.master_addr is not None:  # before any lease: a typo must not wait for a timeout
-        check_resolvable(request.master_addr, "--master-addr")
-
-
 def _command(command: list[str]) -> list[str]:
     if not command:
         return [sys.executable, "-u", *EXAMPLE_COMMAND]
@@ -279,96 +290,3 @@ def _free_port() -> int:
     return free_port()
 
 
-def _child_setup() -> None:
-    """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies."""
-    os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-
-
-@contextlib.contextmanager
-def _handlers(forward: Callable[[int, object], None]) -> Iterator[None]:
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _terminal_given_to(pgid: int) -> Iterator[None]:
-    """Make the child's group the terminal's foreground group so Ctrl-C and pdb reach it."""
-    fd = None
-    try:
-        if sys.stdin is not None and sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp():
-            fd = sys.stdin.fileno()
-    except (OSError, ValueError):
-        fd = None
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.tcsetpgrp(fd, pgid)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # we are in the background now
-            try:
-                with contextlib.suppress(OSError):
-                    os.tcsetpgrp(fd, os.getpgrp())
-            finally:
-                signal.signal(signal.SIGTTOU, old)
-
-
-class _Descendants:
-    """The child's descendants seen so far, to stop those that outlive it (orphaned ranks)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.seen: dict[int, object] = {}
-
-    def update(self) -> None:
-        import psutil
-
-        try:
-            for proc in psutil.Process(self.pid).children(recursive=True):
-                self.seen.setdefault(proc.pid, proc)
-        except psutil.Error:
-            pass
-
-    def stop_survivors(self) -> None:
-        """SIGTERM every remembered descendant still running, SIGKILL it after a grace period."""
-        import psutil
-
-        alive = []
-        for proc in self.seen.values():
-            try:  # is_running() also checks the start time: a reused pid is not ours
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # type: ignore[attr-defined]
-                    proc.terminate()  # type: ignore[attr-defined]
-                    alive.append(proc)
-            except psutil.Error:
-                continue
-        _, left = psutil.wait_procs(alive, timeout=3.0)
-        for proc in left:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(left, timeout=1.0)
-
-
-def _reap_group(pgid: int) -> None:
-    """Stop whatever the child left behind in its process group (no orphans)."""
-    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + pause
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.05)

@@ -1,0 +1,44 @@
+"""The GPU filters ``select`` and ``run`` share: ``--exclude``, ``--max-util``, ``--min-free``.
+
+One spelling and one parser for both commands, so ``--max-util 0.5`` (a fraction, GPUtil's
+habit) is the same one-line error in each, and ``--exclude 1,3`` means the same GPUs.
+
+Usage::
+
+    @click.command()
+    @exclude_option
+    @max_util_option
+    def command(exclude: tuple[str, ...], max_util: str | None) -> None:
+        skip = parse_exclude(exclude)          # ['1', '3'] from --exclude 1 --exclude 3
+        util = parse_max_util(max_util)        # 50.0 from '50' or '50%'; None when not given
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from devicekit.units import parse_percent
+
+__all__ = ["exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+exclude_option: Callable[[F], F] = click.option(
+    "--exclude", "exclude", multiple=True, metavar="ID",
+    help="GPU index or UUID to skip; repeat or comma-separate.")
+max_util_option: Callable[[F], F] = click.option(
+    "--max-util", "max_util", metavar="PCT",
+    help="Highest utilization accepted, in percent (0-100; 50 or 50%, not 0.5).")
+
+
+def parse_exclude(values: tuple[str, ...] | list[str]) -> list[str]:
+    """``("1,3", "GPU-ab")`` -> ``["1", "3", "GPU-ab"]``."""
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def parse_max_util(value: str | None) -> float | None:
+    """The percent, or None; a one-line error naming ``--max-util`` (a fraction included)."""
+    return parse_percent(value, name="--max-util") if value is not None else None
