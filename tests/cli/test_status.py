@@ -187,7 +187,8 @@ def test_watch_on_a_terminal_shows_the_hint_and_restores_it_on_sigterm(two):
     proc = subprocess.Popen([sys.executable, "-m", "devicekit", "status", "--watch", "0.2"],
                             env=dict(_child_env(), TERM="xterm", COLUMNS="120"),
                             stdin=follower, stdout=follower, stderr=follower, close_fds=True)
-    os.close(follower)
+    # the follower stays open here too: when the child's end closes last, Linux hangs the
+    # terminal up and may drop what the child wrote just before exiting
     seen = b""
 
     def read_until(done, seconds: float) -> None:
@@ -210,13 +211,14 @@ def test_watch_on_a_terminal_shows_the_hint_and_restores_it_on_sigterm(two):
         assert b"Ctrl-C to quit" in seen, seen[-400:]
         mark = len(seen)
         proc.send_signal(signal.SIGTERM)
-        read_until(lambda: proc.poll() is not None, 15)
+        read_until(lambda: b"\x1b[?25h" in seen[mark:], 15)
         proc.wait(timeout=15)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         os.close(leader)
+        os.close(follower)
     assert proc.returncode == 0
     tail = seen[mark:]
     assert b"\x1b[?25h" in tail  # the cursor comes back

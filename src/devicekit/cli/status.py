@@ -140,8 +140,14 @@ def _watch_table(seconds: float, count: int | None, no_processes: bool) -> None:
     def view() -> Any:
         return Group(_render(collect_status(), no_processes), hint)
 
-    with Live(view(), console=console, auto_refresh=False, transient=False) as live:
+    live = Live(view(), console=console, auto_refresh=False, transient=False)
+    try:
+        # start() inside the try: a Ctrl-C or SIGTERM that lands while it draws the first frame
+        # skips a with-statement's __exit__ and would leave the cursor hidden
+        live.start(refresh=True)
         for frame in _frames(count):
             if frame:
                 time.sleep(seconds)
                 live.update(view(), refresh=True)
+    finally:
+        live.stop()
