@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from devicekit.modelparallel.layer_profile import (
 )
 from devicekit.modelparallel.microbatch import move
 from devicekit.modelparallel.partition import Part, Plan
+
+if TYPE_CHECKING:
+    from devicekit.modelparallel.module_split import ModuleSplit
 
 __all__ = ["split", "SplitModel", "build_plan", "check_counts", "make_parts"]
 
@@ -201,13 +204,25 @@ def split(
     balance: Balance = "size",
     sample: Any = None,
     optimizer: str | float | None = "adam",
-) -> SplitModel:
-    """Cut ``model`` (an ``nn.Sequential``) into parts on ``devices``; return the split model.
+) -> SplitModel | ModuleSplit:
+    """Cut ``model`` into parts on ``devices``; return the split model.
+
+    An ``nn.Sequential`` is cut between its layers (a :class:`SplitModel`); any other module
+    between its submodules, in the order they run on ``sample`` (a
+    :class:`~devicekit.modelparallel.module_split.ModuleSplit`).
 
     ``devices``: a list (repeats and ``"cpu"`` allowed) or a :class:`Plan` from
     ``dk.plan_devices``. ``balance``: ``"size"`` (weights, grads, ``optimizer`` state and, with
     a ``sample``, saved activations), ``"time"`` (forward+backward per layer on ``sample``) or
     a list of layer counts. The parameters move; the model object is reused, not copied.
     """
+    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+        from devicekit.modelparallel.module_split import split_module
+
+        if not isinstance(devices, Plan):
+            devices = parse_devices(devices)
+        else:
+            parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        return split_module(model, devices, balance=balance, sample=sample, optimizer=optimizer)
     layers, plan = resolve(model, devices, balance, sample, optimizer)
     return SplitModel(model, make_parts(layers, plan), plan)
