@@ -53,6 +53,17 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(item)
 
 
+def _already_on(items: Any, device: torch.device) -> bool:
+    """True when ``items`` is flat (no containers) and each tensor in it is on ``device``."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            if item.device != device:
+                return False
+        elif not (item is None or isinstance(item, (bool, int, float, str))):
+            return False
+    return True
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The tensor an in-place op writes to, if ``func`` is one."""
     out = kwargs.get("out")
@@ -134,8 +145,10 @@ class DeviceFlow:
 
     def attach(self, unit: nn.Module, device: torch.device) -> list[RemovableHandle]:
         """Hooks on ``unit``: inputs to ``device`` before it runs; the mode off while it runs."""
-        def pre(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
             self._enter_unit(device)
+            if _already_on(args, device) and _already_on(kwargs.values(), device):
+                return None  # the common case, without rebuilding the arguments
             return move(args, device), move(kwargs, device)
 
         def post(module: nn.Module, args: Any, output: Any) -> None:

@@ -79,7 +79,10 @@ def unit_costs(
 ) -> Measured:
     """Find, trace and group the units of ``model``; a module opened into children that never
     run (its forward uses their weights directly, as ``nn.MultiheadAttention`` does) is closed."""
-    if getattr(model, _SPLIT_ATTR, None) is not None or isinstance(model, ModuleSplit):
+    from devicekit.modelparallel.pipeline import Pipeline
+    from devicekit.modelparallel.split import SplitModel
+
+    if getattr(model, _SPLIT_ATTR, None) is not None or isinstance(model, (ModuleSplit, SplitModel, Pipeline)):
         raise SplitError(f"model {type(model).__name__} is already split; call .unsplit() on the split "
                          "model first, then split it again")
     if isinstance(model, (nn.ModuleList, nn.ModuleDict)):

@@ -1,12 +1,16 @@
-"""Split an ``nn.Sequential`` into consecutive parts on several devices (model parallelism).
+"""Split a model into consecutive parts on several devices (model parallelism).
 
 What the seeds do by hand (``sub_network1.cuda(0)``, ``x = x.cuda(1)`` inside ``forward``),
-done for any ``nn.Sequential``: the layers are cut into balanced consecutive parts, each part is
-moved to its device, and ``forward`` moves activations from part to part, so autograd carries
-gradients back across devices. Input goes in on the first device, output comes out on the last.
-Devices may repeat and may be ``"cpu"`` (offload). Only ``nn.Sequential`` is accepted: the
-children of any other module need not run in the order they are listed (branches, skip
-connections), so splitting by children would be silently wrong.
+done for any model: the model is cut into balanced consecutive parts, each part is moved to its
+device, and activations are moved from part to part, so autograd carries gradients back across
+devices. Devices may repeat and may be ``"cpu"`` (offload).
+
+* An ``nn.Sequential`` (this module: :class:`SplitModel`) is cut between its layers; input goes
+  in on the first device, output comes out on the last.
+* Any other ``nn.Module`` (:mod:`~devicekit.modelparallel.module_split`: ``ModuleSplit``) is cut
+  between its submodules in the order they run on ``sample``; hooks move each submodule's inputs
+  to its device, ops in the parents' own ``forward`` that meet two devices are joined, tied
+  parameters keep their modules on one device.
 
 Usage::
 
@@ -14,11 +18,12 @@ Usage::
     from torch import nn
     import devicekit as dk
 
-    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
-    model = dk.split(model, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
-    print(model.plan)                 # parts, layers, parameters, memory, balance
-    out = model(x)                    # x may live anywhere; out is on cuda:1
-    dk.split(model, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
+    model = dk.split(Net(), ["cuda:0", "cuda:1"])          # the seeds' Net, in one line
+    model = dk.split(GPT(), ["cuda:0", "cuda:1"], sample=tokens)   # any module; tied head kept
+    seq = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    seq = dk.split(seq, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
+    print(seq.plan)                   # parts, layers, parameters, memory, balance
+    dk.split(seq.module, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
 """
 
 from __future__ import annotations
