@@ -79,6 +79,7 @@ def test_tied_embeddings_stay_together_and_the_plan_says_so() -> None:
     text = str(split.plan)
     assert "+ lm_head (tied)" in text and "tied: lm_head.weight = wte.weight" in text
     assert model.pos.device.type == "cpu"  # the model's own parameter goes with its first unit
+    assert "- pos: held by the model itself, placed on cpu (part 0) with its first unit" in text
     assert all(p.device.type == "meta" for p in model.blocks[-1].parameters())
 
 

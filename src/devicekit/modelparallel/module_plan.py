@@ -68,4 +68,4 @@ def plan_module_budgets(model: nn.Module, budgets: list[Budget], sample: Any, *,
     plan.reasons.append(f"units: {len(sequence)} submodules of {type(model).__name__}"
                         + (", in the order they run on the sample" if sample is not None
                            else ", in the order they are registered"))
-    return finish_plan(plan, followers, ties)
+    return finish_plan(plan, followers, ties, measured.units)

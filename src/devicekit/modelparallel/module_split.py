@@ -131,8 +131,9 @@ def _group_cost(members: list[Unit], costs: list[LayerCost]) -> LayerCost:
                    buffer_bytes=sum(b.numel() * b.element_size() for b in buffers))
 
 
-def finish_plan(plan: Plan, followers: dict[str, list[str]], ties: list[str]) -> Plan:
-    """Add tied followers to their anchors' parts and name where tied tensors live."""
+def finish_plan(plan: Plan, followers: dict[str, list[str]], ties: list[str], units: Sequence[Unit] = ()) -> Plan:
+    """Add tied followers to their anchors' parts; name where tied tensors and the tensors of
+    opened parents (a model's own positional embedding) live."""
     parts = [replace(p, tied_names=tuple(f for n in p.layer_names for f in followers.get(n, ())))
              for p in plan.parts]
     where = {n: p for p in parts for n in (*p.layer_names, *p.tied_names)}
@@ -142,7 +143,17 @@ def finish_plan(plan: Plan, followers: dict[str, list[str]], ties: list[str]) ->
         part = next((where[".".join(owner[:k])] for k in range(len(owner), -1, -1)
                      if ".".join(owner[:k]) in where), parts[0])
         lines.append(f"{tie}: one tensor, on {part.device} (part {part.index}); its modules run there")
-    return replace(plan, parts=parts, tied=lines)
+    owned: dict[str, list[str]] = {}
+    for unit in units:
+        for name, _ in unit.extras:
+            owned.setdefault(name.rpartition(".")[0], []).append(name)
+    reasons = list(plan.reasons)
+    for parent, names in owned.items():  # placed as ModuleSplit places them: with the parent's first unit
+        part = next((p for p in parts for n in (*p.layer_names, *p.tied_names)
+                     if not parent or n.startswith(f"{parent}.")), parts[0])
+        reasons.append(f"{', '.join(names)}: held by {parent or 'the model'} itself, placed on {part.device} "
+                       f"(part {part.index}) with its first unit")
+    return replace(plan, parts=parts, tied=lines, reasons=reasons)
 
 
 def plan_module(
@@ -180,7 +191,7 @@ def plan_module(
                             optimizer=factor, reasons=reasons)
     if timed:
         plan = replace(plan, memory_basis=plan.memory_basis + "; time: each unit's forward on the sample")
-    return finish_plan(plan, followers, ties)
+    return finish_plan(plan, followers, ties, measured.units)
 
 
 def _placement(model: nn.Module, plan: Plan) -> tuple[list[tuple[str, nn.Module, torch.device]],
