@@ -298,6 +298,18 @@ class ModuleSplit(nn.Module):
         self._refuse(".cpu()")
         return self
 
+    def xpu(self, device: Any = None) -> ModuleSplit:  # type: ignore[override]
+        self._refuse(".xpu()")
+        return self
+
+    def ipu(self, device: Any = None) -> ModuleSplit:  # type: ignore[override]
+        self._refuse(".ipu()")
+        return self
+
+    def mtia(self, device: Any = None) -> ModuleSplit:  # type: ignore[override]
+        self._refuse(".mtia()")
+        return self
+
     def extra_repr(self) -> str:
         return f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}"
 
