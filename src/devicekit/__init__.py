@@ -116,6 +116,7 @@ _EXPORTS: dict[str, str] = {
     "Pipeline": "devicekit.modelparallel.pipeline:Pipeline",
     "plan_devices": "devicekit.modelparallel.plan:plan_devices",
     "SplitModel": "devicekit.modelparallel.split:SplitModel",
+    "ModuleSplit": "devicekit.modelparallel.module_split:ModuleSplit",
     "Plan": "devicekit.modelparallel.partition:Plan",
     "pipeline_stage": "devicekit.modelparallel.stages:pipeline_stage",
     "shard": "devicekit.parallel.shard:shard",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -116,8 +117,6 @@ class SequentialWithSkip(nn.Sequential):
 
 
 @pytest.mark.parametrize("model, words", [
-    (Residual(), "Residual is not a plain nn.Sequential"),
-    (SequentialWithSkip(nn.Linear(4, 4)), "SequentialWithSkip is not a plain nn.Sequential"),
     (nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]), "nn.Sequential(*model_list)"),
     (nn.Sequential(), "no layers"),
 ])
@@ -126,8 +125,19 @@ def test_refuses_models_whose_order_is_unknown(model: nn.Module, words: str) -> 
         dk.split(model, ["cpu", "cpu"])
     message = str(err.value)
     assert words in message and "\n" not in message
-    if "plain" in words:
-        assert "branch or skip" in message and "wrap" in message
+
+
+@pytest.mark.parametrize("factory", [Residual, lambda: SequentialWithSkip(nn.Linear(4, 4), nn.Linear(4, 4))])
+def test_models_with_skips_split_by_submodule(factory: object) -> None:
+    """These were refused ("not a plain nn.Sequential"); any module now splits at its submodules
+    and the skip across devices is computed as unsplit (tests/modelparallel/test_split_any_module.py)."""
+    torch.manual_seed(0)
+    ref = factory()  # type: ignore[operator]
+    model = copy.deepcopy(ref)
+    x = torch.randn(3, 4)
+    split = dk.split(model, ["cpu", "cpu"], sample=x)
+    assert split.plan.counts == [1, 1]
+    torch.testing.assert_close(split(x), ref(x))
 
 
 @pytest.mark.parametrize("devices, words", [

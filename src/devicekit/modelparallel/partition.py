@@ -43,6 +43,8 @@ class Part:
     seconds: float | None = None
     #: the device's usable budget in bytes (plan_devices only)
     budget: int | None = None
+    #: modules placed here because they share a parameter or buffer with a module of this part
+    tied_names: tuple[str, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -51,10 +53,14 @@ class Part:
     @property
     def layer_range(self) -> str:
         if not self.layer_names:
-            return "-"
-        if len(self.layer_names) == 1:
-            return self.layer_names[0]
-        return f"{self.layer_names[0]} .. {self.layer_names[-1]}"
+            text = "-"
+        elif len(self.layer_names) == 1:
+            text = self.layer_names[0]
+        else:
+            text = f"{self.layer_names[0]} .. {self.layer_names[-1]}"
+        if self.tied_names:
+            text += " + " + ", ".join(self.tied_names) + " (tied)"
+        return text
 
 
 @dataclass
@@ -67,6 +73,8 @@ class Plan:
     #: what the memory column counts, e.g. "training with adam: weights + grads + 2x state + activations"
     memory_basis: str = ""
     reasons: list[str] = field(default_factory=list)
+    #: shared parameters/buffers and where they live, e.g. "lm_head.weight = wte.weight: on cpu (part 0)"
+    tied: list[str] = field(default_factory=list)
 
     @property
     def devices(self) -> list[torch.device]:
@@ -86,7 +94,7 @@ class Plan:
     @property
     def device_map(self) -> dict[str, str]:
         """Layer name -> device, as accelerate's ``device_map``."""
-        return {name: str(p.device) for p in self.parts for name in p.layer_names}
+        return {name: str(p.device) for p in self.parts for name in (*p.layer_names, *p.tied_names)}
 
     @property
     def total_memory(self) -> int:
@@ -118,6 +126,7 @@ class Plan:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
         if self.memory_basis:
             lines.append(f"memory: {self.memory_basis}")
+        lines.extend(f"tied: {tie}" for tie in self.tied)
         lines.extend(f"- {reason}" for reason in self.reasons)
         return "\n".join(lines)
 
@@ -132,5 +141,6 @@ class Plan:
         for row in self.rows():
             table.add_row(*row)
         notes = [f"memory: {self.memory_basis}"] if self.memory_basis else []
+        notes += [f"tied: {t}" for t in self.tied]
         notes += [f"- {r}" for r in self.reasons]
         return Group(table, *(Text(n) for n in notes))

@@ -23,7 +23,7 @@ independently; BatchNorm normalises per micro-batch, see below). Options:
   in a custom layer). A call that finds such a draw only after overlapping its stages discards
   its outputs and runs its forward again in order (once: the pipeline remembers).
 * The pipeline stays where it was planned: ``.to(device)``/``.cuda()``/``.cpu()`` are refused
-  (see :class:`~devicekit.modelparallel.split.StaysOnPlan`); dtype casts are fine.
+  (see :mod:`devicekit.modelparallel.stays`); dtype casts are fine.
 * BatchNorm layers become :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` (same
   tensors): running statistics are updated once per mini-batch with the whole mini-batch's
   statistics, as a non-pipelined run would. ``deferred_batch_norm=False`` keeps plain BatchNorm.
@@ -66,7 +66,8 @@ from devicekit.modelparallel.recompute import (
     generator_states,
 )
 from devicekit.modelparallel.schedule import bubble_fraction
-from devicekit.modelparallel.split import Balance, StaysOnPlan, make_parts, resolve
+from devicekit.modelparallel.split import Balance, make_parts, resolve
+from devicekit.modelparallel.stays import StaysOnPlan
 from devicekit.modelparallel.worker import StageWorkers
 
 __all__ = ["Pipeline", "PipelineRun"]
@@ -137,6 +138,8 @@ class PipelineRun:
 
 class Pipeline(StaysOnPlan):
     """A sequential model split over ``devices`` and run on micro-batches (see module doc)."""
+
+    split_again = "dk.Pipeline(pipe.module, [...])"
 
     def __init__(
         self,

@@ -128,9 +128,11 @@ def plan_devices(
     """
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise InvalidValueError(f"headroom {headroom!r} must be a fraction in [0, 1), e.g. 0.1")
-    layers = sequential_layers(model)
     factor = optimizer_factor(optimizer) if training else 0.0
-    costs = profile_layers(layers, sample)
+    plain = isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward
+    if plain:
+        layers = sequential_layers(model)
+        costs = profile_layers(layers, sample)
     budgets = _given_budgets(max_memory) if max_memory is not None else default_budgets(headroom)
     if devices is not None:
         wanted = [parse_device(d, check=False, name="devices entry") for d in devices]
@@ -141,6 +143,17 @@ def plan_devices(
                 f"devices {missing} have no budget; available: {[str(d) for d in known]}"
             )
         budgets = [known[d] for d in dict.fromkeys(wanted)]
+    if not plain:  # any other module: its submodules, in the order they run
+        from devicekit.modelparallel.module_plan import plan_module_budgets
+
+        return plan_module_budgets(model, budgets, sample, factor=factor, training=training, spread=spread)
+    return plan_costs(layers, costs, budgets, sample_given=sample is not None, factor=factor,
+                      training=training, spread=spread)
+
+
+def plan_costs(layers: list[tuple[str, nn.Module]], costs: list[Any], budgets: list[Budget], *,
+               sample_given: bool, factor: float, training: bool, spread: bool) -> Plan:
+    """The plan for measured layers (or units) within ``budgets``; see :func:`plan_devices`."""
     gpus, others = _order(budgets)
 
     sizes = [c.memory(training=training, optimizer=factor) for c in costs]
@@ -152,7 +165,7 @@ def plan_devices(
                    f"{format_size(sum(c.param_bytes + c.buffer_bytes for c in costs))}, saved activations "
                    f"{format_size(sum(c.activation_bytes for c in costs)) if training else '0 B'}, "
                    f"working space {format_size(working)}")
-    if sample is None:
+    if not sample_given:
         reasons.append("no sample given: activations are not counted; pass sample=<one batch> (meta is fine)")
 
     spans = find_spans(layers)  # repeated layers and tied parameters stay on one device

@@ -1,15 +1,20 @@
-"""Split an ``nn.Sequential`` into consecutive parts on several devices (model parallelism).
+"""Split a model into consecutive parts on several devices (model parallelism).
 
 What the seeds do by hand (``sub_network1.cuda(0)``, ``x = x.cuda(1)`` inside ``forward``),
-done for any ``nn.Sequential``: the layers are cut into balanced consecutive parts, each part is
-moved to its device, and ``forward`` moves activations from part to part, so autograd carries
-gradients back across devices. Input goes in on the first device, output comes out on the last.
-Devices may repeat and may be ``"cpu"`` (offload). Only ``nn.Sequential`` is accepted: the
-children of any other module need not run in the order they are listed (branches, skip
-connections), so splitting by children would be silently wrong. A layer object listed twice runs
-twice, and layers that share a parameter (tied weights) are kept on one device (the plan says
-so; :mod:`devicekit.modelparallel.sharing`). The split model stays where it was planned:
-``.to(device)``, ``.cuda()`` and ``.cpu()`` are refused (dtype casts are fine); split again to move.
+done for any model: the model is cut into balanced consecutive parts, each part is moved to its
+device, and activations are moved from part to part, so autograd carries gradients back across
+devices. Devices may repeat and may be ``"cpu"`` (offload).
+
+* An ``nn.Sequential`` (this module: :class:`SplitModel`) is cut between its layers; input goes
+  in on the first device, output comes out on the last.
+* Any other ``nn.Module`` (:mod:`~devicekit.modelparallel.module_split`: ``ModuleSplit``) is cut
+  between its submodules in the order they run on ``sample``; hooks move each submodule's inputs
+  to its device, ops in the parents' own ``forward`` that meet two devices are joined, tied
+  parameters keep their modules on one device.
+* A layer object listed twice runs twice, and layers or modules that share a parameter (tied
+  weights) are kept on one device (the plan says so; :mod:`devicekit.modelparallel.sharing`).
+* A split model stays where it was planned: ``.to(device)``, ``.cuda()`` and ``.cpu()`` are
+  refused (dtype casts are fine); split again to move it.
 
 Usage::
 
@@ -17,23 +22,24 @@ Usage::
     from torch import nn
     import devicekit as dk
 
-    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
-    model = dk.split(model, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
-    print(model.plan)                 # parts, layers, parameters, memory, balance
-    out = model(x)                    # x may live anywhere; out is on cuda:1
-    dk.split(model, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
+    model = dk.split(Net(), ["cuda:0", "cuda:1"])          # the seeds' Net, in one line
+    model = dk.split(GPT(), ["cuda:0", "cuda:1"], sample=tokens)   # any module; tied head kept
+    seq = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    seq = dk.split(seq, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
+    print(seq.plan)                   # parts, layers, parameters, memory, balance
+    dk.split(seq.module, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from devicekit.errors import InvalidValueError, PlacementError, SplitError
+from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.balance import balance_cost
 from devicekit.modelparallel.device_list import parse_devices
 from devicekit.modelparallel.layer_profile import (
@@ -53,6 +59,10 @@ from devicekit.modelparallel.sharing import (
     find_spans,
     must_keep_together,
 )
+from devicekit.modelparallel.stays import StaysOnPlan
+
+if TYPE_CHECKING:
+    from devicekit.modelparallel.module_split import ModuleSplit
 
 __all__ = ["split", "SplitModel", "StaysOnPlan", "build_plan", "check_counts", "make_parts"]
 
@@ -185,61 +195,9 @@ def make_parts(layers: list[tuple[str, nn.Module]], plan: Plan) -> list[nn.Seque
     return parts
 
 
-class StaysOnPlan(nn.Module):
-    """Refuses to be moved as a whole: its parts live on the devices of ``self.plan``.
-
-    ``.to(device)``, ``.cuda()``, ``.cpu()`` (and the other device moves) would put every part on
-    one device while the plan still names several, so the next forward would fail or run
-    elsewhere than printed. They are refused with one line, unless every part is already on
-    that device (a no-op, as frameworks that call ``model.to(device)`` expect). Casting the
-    dtype (``.to(torch.float64)``, ``.half()``) keeps every part on its device and is allowed.
-    """
-
-    plan: Plan
-
-    def _stay(self, call: str, target: Any) -> None:
-        device = torch.device(target) if not isinstance(target, torch.device) else target
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        if all(d == device for d in self.plan.devices):
-            return
-        where = ", ".join(str(d) for d in self.plan.devices)
-        raise PlacementError(
-            f"{type(self).__name__}.{call} would move every part to {device}, but the parts live on "
-            f"[{where}] as planned; inputs may be anywhere, so leave it, or split the model again "
-            f"with the devices you want (dk.split(model.module, [...]))"
-        )
-
-    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        target = kwargs.get("device", args[0] if args else None)
-        if isinstance(target, int) and not isinstance(target, bool):  # .to(1): a CUDA ordinal
-            device: Any = torch.device("cuda", target)
-        else:
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
-            self._stay(".to(...)", device)
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: Any = None) -> Any:  # type: ignore[override]
-        target = device if isinstance(device, (str, torch.device)) else (
-            "cuda" if device is None else torch.device("cuda", device))
-        self._stay(".cuda()", target)
-        return super().cuda(device)
-
-    def cpu(self) -> Any:  # type: ignore[override]
-        self._stay(".cpu()", "cpu")
-        return super().cpu()
-
-    def xpu(self, device: Any = None) -> Any:  # type: ignore[override]
-        self._stay(".xpu()", "xpu")
-        return super().xpu(device)
-
-    def to_empty(self, *, device: Any, recurse: bool = True) -> Any:  # type: ignore[override]
-        self._stay(".to_empty(...)", device)
-        return super().to_empty(device=device, recurse=recurse)
-
-
 class SplitModel(StaysOnPlan):
+    split_again = "dk.split(model.module, [...])"
+
     """A sequential model whose parts live on different devices; ``forward`` hands activations on.
 
     ``module`` is the original model (same parameters, same state_dict keys with a ``module.``
@@ -297,13 +255,25 @@ def split(
     balance: Balance = "size",
     sample: Any = None,
     optimizer: str | float | None = "adam",
-) -> SplitModel:
-    """Cut ``model`` (an ``nn.Sequential``) into parts on ``devices``; return the split model.
+) -> SplitModel | ModuleSplit:
+    """Cut ``model`` into parts on ``devices``; return the split model.
+
+    An ``nn.Sequential`` is cut between its layers (a :class:`SplitModel`); any other module
+    between its submodules, in the order they run on ``sample`` (a
+    :class:`~devicekit.modelparallel.module_split.ModuleSplit`).
 
     ``devices``: a list (repeats and ``"cpu"`` allowed) or a :class:`Plan` from
     ``dk.plan_devices``. ``balance``: ``"size"`` (weights, grads, ``optimizer`` state and, with
     a ``sample``, saved activations), ``"time"`` (forward+backward per layer on ``sample``) or
     a list of layer counts. The parameters move; the model object is reused, not copied.
     """
+    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+        from devicekit.modelparallel.module_split import split_module
+
+        if not isinstance(devices, Plan):
+            devices = parse_devices(devices)
+        else:
+            parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        return split_module(model, devices, balance=balance, sample=sample, optimizer=optimizer)
     layers, plan = resolve(model, devices, balance, sample, optimizer)
     return SplitModel(model, make_parts(layers, plan), plan)
