@@ -56,7 +56,9 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+from devicekit.modelparallel.chain import Chain, check_per_sample, to_chain
 from devicekit.modelparallel.microbatch import gather, move, scatter
+from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan
 from devicekit.modelparallel.recompute import (
     CHECKPOINT_MODES,
@@ -152,6 +154,7 @@ class Pipeline(StaysOnPlan):
         optimizer: str | float | None = "adam",
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = True,
+        stages: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -160,12 +163,19 @@ class Pipeline(StaysOnPlan):
             raise InvalidValueError(f"checkpoint {checkpoint!r} is unknown; use one of {', '.join(CHECKPOINT_MODES)}")
         if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
             model = DeferredBatchNorm.convert(model)
-        layers, plan = resolve(model, devices, balance, sample, optimizer)
+        chain: Chain | None = None
+        if stages is not None or not is_plain_sequential(model):
+            chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
+            if chunks > 1 and sample is not None:
+                check_per_sample(chain, sample)
+        layers, plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
         if deferred_batch_norm and chunks > 1:
             _refuse_repeated_batchnorm(layers)
         DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
         parts = make_parts(layers, plan)
         self.module = model
+        self._chain = chain  # per-sample check still to run on the first batch (no sample given)
+        self._unchecked = chain is not None and chunks > 1 and sample is None
         self._parts = parts
         self.plan = plan
         self.chunks = chunks
@@ -243,6 +253,9 @@ class Pipeline(StaysOnPlan):
         return outputs, busy
 
     def forward(self, x: Any) -> Any:
+        if self._unchecked and self._chain is not None:
+            check_per_sample(self._chain, x)  # once: a model that mixes samples is refused
+            self._unchecked = False
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
         # checkpointing only pays when training: in eval() or no_grad nothing is recomputed
