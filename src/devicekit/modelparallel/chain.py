@@ -128,6 +128,8 @@ def _check_names(model: nn.Module, stages: Any) -> list[str]:
 def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
     """``model`` as a :class:`Chain` of stages cut before its units (or before ``stages``)."""
     name = type(model).__name__
+    if type(model).forward is nn.Module.forward:
+        raise SplitError(f"cannot pipeline {name}: it has no forward to trace; pipeline a module that defines one")
     if stages is None:
         units, _ = find_units(model)
         cut_at = {u.name for u in units}

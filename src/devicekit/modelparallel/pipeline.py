@@ -164,7 +164,7 @@ class Pipeline(StaysOnPlan):
         if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
             model = DeferredBatchNorm.convert(model)
         chain: Chain | None = None
-        if stages is not None or not is_plain_sequential(model):
+        if stages is not None or not (is_plain_sequential(model) or isinstance(model, nn.ModuleList)):
             chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
             if chunks > 1 and sample is not None:
                 check_per_sample(chain, sample)

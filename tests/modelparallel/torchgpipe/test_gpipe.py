@@ -358,9 +358,13 @@ def test_recommend_auto_balance() -> None:
 
 
 def test_verify_module_non_sequential() -> None:
-    """upstream test_verify_module_non_sequential"""
-    with pytest.raises(dk.SplitError, match="not a plain nn.Sequential"):
+    """upstream test_verify_module_non_sequential. Difference: any module whose forward traces is
+    pipelined (tests/modelparallel/test_pipeline_any_module.py); a module with no forward, or a
+    ModuleList (no order of execution), is refused."""
+    with pytest.raises(dk.SplitError, match="has no forward"):
         dk.Pipeline(nn.Module(), ["cpu"], chunks=1)
+    with pytest.raises(dk.SplitError, match="nn.ModuleList"):
+        dk.Pipeline(nn.ModuleList([nn.Linear(1, 1)]), ["cpu"], chunks=1)
 
 
 def test_verify_module_duplicate_children() -> None:
