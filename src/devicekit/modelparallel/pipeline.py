@@ -1,5 +1,14 @@
 """GPipe-style pipeline: a split model fed with micro-batches so its devices work at once.
 
+The model is a chain of layers: an ``nn.Sequential``, or any module whose forward
+``torch.fx`` traces, turned into a Sequential of stages by
+:mod:`~devicekit.modelparallel.chain` (cut before each unit, or before the submodules named in
+``stages=[...]``; values needed later pass through; the model's own parameters, nothing copied).
+A forward that does not trace is refused with the reason, offering ``stages`` or ``dk.split``.
+Like GPipe, the pipeline assumes samples are independent except in BatchNorm: for a traced model
+with ``chunks > 1`` this is checked on ``sample`` (or the first batch), and an op that mixes
+samples across the batch is refused by name.
+
 Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``i`` in its own
 worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
 stage ``j`` works on micro-batch ``k - j``), so while the second device works on the first
@@ -37,6 +46,7 @@ Usage::
     import devicekit as dk
 
     pipe = dk.Pipeline(model, ["cuda:0", "cuda:1"], chunks=8, sample=batch)
+    pipe = dk.Pipeline(resnet, ["cuda:0", "cuda:1"], chunks=8, stages=["conv1", "layer3"])
     loss = loss_fn(pipe(batch), target.to(pipe.devices[-1]))
     loss.backward()
     print(pipe.plan)                  # the split
@@ -139,7 +149,10 @@ class PipelineRun:
 
 
 class Pipeline(StaysOnPlan):
-    """A sequential model split over ``devices`` and run on micro-batches (see module doc)."""
+    """A model split over ``devices`` as a chain of stages and run on micro-batches (see module doc).
+
+    ``stages``: names of submodules to cut before (any module); without it an ``nn.Sequential``
+    is cut between its layers and any other module before each of its units."""
 
     split_again = "dk.Pipeline(pipe.module, [...])"
 
