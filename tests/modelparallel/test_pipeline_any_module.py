@@ -67,6 +67,7 @@ def test_parameters_are_the_models_own_and_tied_stays_tied() -> None:
     assert {id(p) for part in pipe.parts for p in part.parameters()} == own
     assert model.lm_head.weight is model.wte.weight
     assert list(pipe.module.state_dict()) == list(GPT().state_dict())
+    assert list(pipe.state_dict()) == [f"module.{k}" for k in GPT().state_dict()]
     assert pipe.plan.counts == [sum(pipe.plan.counts[:1]), pipe.plan.counts[1]]
 
 
@@ -162,6 +163,19 @@ def test_bad_stage_names_are_one_line_errors(stages: object, match: str) -> None
     with pytest.raises(dk.InvalidValueError, match=match) as info:
         dk.Pipeline(GPT(), ["cpu", "cpu"], chunks=2, stages=stages)  # type: ignore[arg-type]
     assert "\n" not in str(info.value)
+
+
+def test_named_boundaries_inside_units_and_in_a_sequential() -> None:
+    model, ref = twin(ANY_MODELS["gpt"])
+    x = any_sample("gpt")
+    pipe = dk.Pipeline(model, ["cpu", "cpu"], chunks=2, stages=["blocks.1.attn"])  # opens blocks.1
+    assert [p.layer_names for p in pipe.plan.parts] == [("wte",), ("blocks_1_attn",)]
+    torch.testing.assert_close(pipe(x), ref(x), atol=1e-5, rtol=1e-4)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    cut = dk.Pipeline(seq, ["cpu", "cpu"], chunks=2, stages=["2"])
+    assert cut.plan.counts == [1, 1]
+    y = torch.randn(4, 4)
+    torch.testing.assert_close(cut(y), seq(y))
 
 
 def test_a_name_the_forward_never_calls_is_refused() -> None:

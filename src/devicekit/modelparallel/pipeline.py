@@ -187,7 +187,9 @@ class Pipeline(StaysOnPlan):
         DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
         parts = make_parts(layers, plan)
         self.module = model
-        self._chain = chain  # per-sample check still to run on the first batch (no sample given)
+        # the traced chain (not a registered submodule: state_dict keys stay "module.*"), whose
+        # per-sample check runs on the first batch when no sample was given
+        self._chains = [] if chain is None else [chain]
         self._unchecked = chain is not None and chunks > 1 and sample is None
         self._parts = parts
         self.plan = plan
@@ -266,8 +268,8 @@ class Pipeline(StaysOnPlan):
         return outputs, busy
 
     def forward(self, x: Any) -> Any:
-        if self._unchecked and self._chain is not None:
-            check_per_sample(self._chain, x)  # once: a model that mixes samples is refused
+        if self._unchecked:
+            check_per_sample(self._chains[0], x)  # once: a model that mixes samples is refused
             self._unchecked = False
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
