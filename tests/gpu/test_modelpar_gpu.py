@@ -141,3 +141,23 @@ def test_functional_dropout_on_two_stages_of_one_gpu_replays_its_masks() -> None
     from tests.modelparallel.test_no_silent_results import check_functional_dropout
 
     check_functional_dropout(["cuda:0", "cuda:0"], "except_last")
+
+
+def test_traced_resnet_pipelined_over_cuda_and_cpu_matches_unsplit() -> None:
+    """A non-Sequential model (skips, BatchNorm in eval) as a chain over cuda:0 and cpu."""
+    from tests.modelparallel.any_models import ANY_MODELS, any_sample, twin
+    from tests.modelparallel.any_models import loss_of as any_loss
+
+    model, ref = twin(ANY_MODELS["resnet"])
+    x = any_sample("resnet")
+    pipe = dk.Pipeline(model, ["cuda:0", "cpu"], chunks=4, sample=x)
+    pipe.eval()
+    ref.eval()
+    out, want = pipe(x), ref(x)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-3)
+    any_loss(out).backward()
+    any_loss(want).backward()
+    for got, expected in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.cpu(), expected.grad, atol=1e-4, rtol=1e-3)
+    pipe.close()
