@@ -217,3 +217,14 @@ def test_masks_constants_and_batchnorm_pass_the_per_sample_check() -> None:
         assert isinstance(chain, Chain) and isinstance(chain[0], fx.GraphModule)
         check_per_sample(chain, any_sample(name))  # the causal mask, pos[:, :t], BatchNorm: fine
         assert model.training
+
+
+def test_the_first_batch_check_runs_on_parts_already_on_their_devices() -> None:
+    """Without a sample, the check runs on the first batch after the stages moved; on ["cpu",
+    "meta"] an op meeting a cpu and a meta tensor would raise, so inputs are moved per op."""
+    model = ANY_MODELS["net"]()
+    pipe = dk.Pipeline(model, ["cpu", "meta"], chunks=2)
+    assert model.sub_network2.weight.device.type == "meta"
+    out = pipe(torch.randn(4, 100))
+    assert out.shape == (4, 10) and out.device.type == "meta"
+    assert not pipe._unchecked
