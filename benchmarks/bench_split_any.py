@@ -137,6 +137,16 @@ def report(title: str, times: dict[str, list[float]], anchor: str) -> None:
         print(f"  {name:<44}{best * 1e3:>9.2f}{best / best0:>15.3f}{med / med0:>10.3f}")
 
 
+def full_map(split: nn.Module) -> dict[str, str]:
+    """The plan's device map plus the model's own tensors (accelerate wants every parameter)."""
+    device_map = dict(split.plan.device_map)
+    covered = tuple(f"{name}." for name in device_map)
+    for name, tensor in (*split.module.named_parameters(), *split.module.named_buffers()):
+        if name not in device_map and not name.startswith(covered):
+            device_map[name] = str(tensor.device)
+    return device_map
+
+
 def accelerate_dispatch(model: nn.Module, device_map: dict[str, str]) -> nn.Module | str:
     if importlib.util.find_spec("accelerate") is None:
         return "skipped: accelerate is not installed here (pip install accelerate to add this row)"
@@ -181,7 +191,7 @@ def main(argv: list[str]) -> None:
     hooks_only = gsplit.module  # called directly: units' hooks, no MixedDeviceMode
     methods = {"unsplit, one device": step(plain, idx), "dk.split over 2 devices": step(gsplit, idx),
                "dk.split, mode bypassed (hooks only)": step(hooks_only, idx)}
-    gdispatched = accelerate_dispatch(copy.deepcopy(gpt), gsplit.plan.device_map)
+    gdispatched = accelerate_dispatch(copy.deepcopy(gpt), full_map(gsplit))
     if isinstance(gdispatched, nn.Module):
         methods["accelerate dispatch_model, same map"] = step(gdispatched, idx)
     print()
