@@ -29,11 +29,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import devicekit as dk
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the models of tests/modelparallel
+
+from tests.modelparallel.any_models import GPT  # noqa: E402
+
+import devicekit as dk  # noqa: E402
 
 ROUNDS = 15
 
@@ -71,38 +78,6 @@ class HandNet(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.sub_network1(x.to(self.d0))
         return self.sub_network2(x.to(self.d1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 1000, dim: int = 256, depth: int = 4, heads: int = 4, context: int = 64) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.randn(1, context, dim) * 0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.size(1)
-        x = self.wte(idx) + self.pos[:, :t]
-        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
-        for block in self.blocks:
-            x = block(x, mask=mask)
-        return self.lm_head(self.ln_f(x))
 
 
 def interleaved(methods: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, list[float]]:
@@ -184,7 +159,7 @@ def main(argv: list[str]) -> None:
         print(f"  accelerate dispatch_model: {dispatched}")
 
     torch.manual_seed(0)
-    gpt = GPT()
+    gpt = GPT(vocab=1000, dim=256, depth=4, heads=4, context=64)
     idx = torch.randint(0, 1000, (16, 64))
     plain = copy.deepcopy(gpt).to(devices[0])
     gsplit = dk.split(copy.deepcopy(gpt), devices, sample=idx)
