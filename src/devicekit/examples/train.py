@@ -41,6 +41,10 @@ class TrainResult:
     final_loss: float
 
 
+#: untimed steps before the clock starts
+WARMUP_STEPS = 3
+
+
 def _device_reason(device: object) -> str:
     import torch
 
@@ -74,6 +78,11 @@ def train(seconds: float = 3.0, steps: int | None = None, batch_size: int = 128,
     Under several ranks the stop decision is agreed every few steps (a MAX all-reduce), so
     every rank runs the same number of steps and no collective is left waiting.
     """
+    import warnings
+
+    # torch 2.13 warns at import that NumPy is missing; the example uses no NumPy, and
+    # `make run` installs devicekit alone
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     from torch import nn
 
@@ -101,8 +110,16 @@ def train(seconds: float = 3.0, steps: int | None = None, batch_size: int = 128,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stop_flag = torch.zeros(1, device=device)
-    done = 0
     loss = torch.zeros((), device=device)
+    # warm-up, not timed: the first steps load torch's lazy parts (the optimizer's compile
+    # checks import torch._dynamo, ~2 s on a small machine) and would halve a 3 s measurement
+    for inputs, targets in batches[:WARMUP_STEPS]:
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = 0
     start = time.perf_counter()
     while True:
         optimizer.zero_grad(set_to_none=True)
