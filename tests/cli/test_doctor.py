@@ -12,8 +12,8 @@ from devicekit.cli.main import main
 from tests.conftest import h100
 
 A100 = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": "40GiB", "compute_capability": "8.0"}
-NAMES = ["nvml", "gpus", "torch", "nccl", "cuda_device_order", "cuda_visible_devices",
-         "lease_dir", "pid_namespace", "launcher"]
+NAMES = ["nvml", "gpus", "torch", "torch_version", "nccl", "cuda_device_order",
+         "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
 
 
 def run_cli(capsys, *args):
@@ -119,7 +119,7 @@ def test_no_torch_option_imports_no_torch(simulate):
                           timeout=60)
     assert done.stderr.strip() == "False 0", done.stderr
     assert [c["name"] for c in json.loads(done.stdout)["checks"]] == [
-        n for n in NAMES if n not in ("torch", "nccl")]
+        n for n in NAMES if n not in ("torch", "torch_version", "nccl")]
 
 
 def test_each_check_is_printed_as_soon_as_it_has_run(simulate, capsys, monkeypatch):
@@ -184,3 +184,16 @@ def test_terminal_gets_coloured_statuses(simulate, tmp_path):
     assert re.search(r"\x1b\[[0-9;]*32m[^\x1b]*PASS", text), text  # green PASS
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
     assert "running checks" in plain
+
+
+def test_a_torch_below_the_floor_fails_doctor(simulate, capsys, monkeypatch):
+    import torch
+
+    from devicekit.hardware.torch_checks import TORCH_FLOOR
+
+    simulate([h100()])
+    older = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.1+cu121"
+    monkeypatch.setattr(torch, "__version__", older)
+    code, out, _ = run_cli(capsys)
+    line = next(x for x in out.splitlines() if x.split()[1:2] == ["torch_version"])
+    assert code == 1 and line.startswith("FAIL") and older in line and "pip install" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -23,10 +24,14 @@ from devicekit.hardware.checks import (
 from devicekit.hardware.gpu import GPU, MigDevice
 from devicekit.hardware.launcher_checks import check_launcher
 from devicekit.hardware.torch_checks import (
+    TORCH_FLOOR,
+    TORCH_NEWEST_TESTED,
     check_nccl,
     check_torch_build,
+    check_torch_version,
     format_nccl_version,
     parse_cuda_version,
+    parse_torch_version,
 )
 from tests.conftest import h100
 from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, make_pynvml
@@ -214,11 +219,49 @@ def test_run_checks_on_a_simulated_machine(simulate):
     simulate([h100(), A100])
     checks = run_checks(env={"CUDA_VISIBLE_DEVICES": "1"})
     names = [c.name for c in checks]
-    assert names == ["nvml", "gpus", "torch", "nccl", "cuda_device_order", "cuda_visible_devices",
-                     "lease_dir", "pid_namespace", "launcher"]
+    assert names == ["nvml", "gpus", "torch", "torch_version", "nccl", "cuda_device_order",
+                     "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
     by_name = {c.name: c for c in checks}
     assert by_name["cuda_device_order"].status == "warn"  # mixed models, index, no PCI_BUS_ID
     assert summarize(checks)["fail"] == 0
     assert [c.name for c in run_checks(env={}, torch=False)] == [
-        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "pid_namespace",
-        "launcher"]
+        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
+
+
+def test_torch_version_against_the_tested_range(monkeypatch):
+    floor = f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"
+    newest = f"{TORCH_NEWEST_TESTED[0]}.{TORCH_NEWEST_TESTED[1]}"
+    assert check_torch_version(f"{floor}.0+cu124").status == "pass"
+    assert check_torch_version(f"{newest}.3").status == "pass"
+    old = check_torch_version(f"{TORCH_FLOOR[0]}.{TORCH_FLOOR[1] - 1}.1")
+    assert old.status == "fail" and f"pip install 'torch>={floor}'" in old.message
+    assert check_torch_version("1.13.1").status == "fail"
+    new = check_torch_version(f"{TORCH_NEWEST_TESTED[0]}.{TORCH_NEWEST_TESTED[1] + 1}.0.dev20260101")
+    assert new.status == "warn" and newest in new.message and "newer" in new.message
+    assert check_torch_version("3.0.0").status == "warn"
+    assert check_torch_version("nightly").status == "warn"
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", f"{floor}.1")
+    assert check_torch_version() == Check("torch_version", "pass",
+                                          f"torch {floor}.1, within the tested {floor} to {newest}")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert check_torch_version().status == "skip"
+
+
+def test_torch_version_parsing():
+    assert parse_torch_version("2.13.0+cpu") == (2, 13)
+    assert parse_torch_version("2.16.0.dev20260101+cu128") == (2, 16)
+    assert parse_torch_version("2.6.0a0+git1234") == (2, 6)
+    assert parse_torch_version("") is None and parse_torch_version(None) is None
+
+
+def test_the_floor_is_what_the_package_declares_and_the_docs_record():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    declared = re.search(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    assert parse_torch_version(declared) == TORCH_FLOOR
+    record = (root / "docs" / "torch-versions.md").read_text()
+    for version in (TORCH_FLOOR, TORCH_NEWEST_TESTED):  # each end has a row in the results table
+        assert re.search(rf"^\| {version[0]}\.{version[1]}\.\d+ +\|", record, re.M), version

@@ -61,7 +61,7 @@ def _print_as_they_run(checks: Iterable[Check]) -> list[Check]:
 @click.command(name="doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON (schema 1).")
 @click.option("--no-torch", is_flag=True,
-              help="Leave out the torch build and NCCL checks (no torch import).")
+              help="Leave out the torch build, torch version and NCCL checks (no torch import).")
 def command(as_json: bool, no_torch: bool) -> int:
     """Check driver, torch, NCCL, CUDA variables, the lease directory and launcher variables.
 

@@ -243,9 +243,14 @@ def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> 
     yield check_backend(inv)
     yield check_gpus(inv)
     if torch:
-        from devicekit.hardware.torch_checks import check_nccl, check_torch_build
+        from devicekit.hardware.torch_checks import (
+            check_nccl,
+            check_torch_build,
+            check_torch_version,
+        )
 
         yield check_torch_build(inv)
+        yield check_torch_version()
         yield check_nccl()
     yield check_device_order(inv, env)
     yield check_visible_devices(inv, env)

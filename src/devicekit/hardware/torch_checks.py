@@ -1,27 +1,39 @@
-"""Doctor checks that need torch: its build against the driver, and NCCL.
+"""Doctor checks that need torch: its build against the driver, its release, and NCCL.
 
 torch is imported inside the functions, only when ``devicekit doctor`` runs them (``status`` and
 ``select`` never import this module). A CPU-only torch on a machine with NVIDIA GPUs is a fail;
 a torch built for a newer CUDA major version than the driver supports is a fail; a newer minor
-version is a warning (CUDA minor-version compatibility runs most, not all, kernels).
+version is a warning (CUDA minor-version compatibility runs most, not all, kernels). A torch
+older than :data:`TORCH_FLOOR` is a fail; newer than :data:`TORCH_NEWEST_TESTED`, a warning.
 
 Usage::
 
     from devicekit.hardware.checks import take_inventory
-    from devicekit.hardware.torch_checks import check_nccl, check_torch_build
+    from devicekit.hardware.torch_checks import check_nccl, check_torch_build, check_torch_version
 
     print(check_torch_build(take_inventory()).message)
+    print(check_torch_version().message)     # e.g. "torch 2.13.0+cpu, within the tested ..."
     print(check_nccl().message)
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from devicekit.hardware.checks import Check, Inventory
 
-__all__ = ["check_torch_build", "check_nccl", "parse_cuda_version", "format_nccl_version"]
+__all__ = [
+    "check_torch_build", "check_torch_version", "check_nccl", "parse_cuda_version",
+    "parse_torch_version", "format_nccl_version", "TORCH_FLOOR", "TORCH_NEWEST_TESTED",
+]
+
+#: The oldest torch release devicekit supports: pyproject.toml's ``torch>=`` (a test checks they
+#: agree). Below it FSDP2 cannot shard over gloo (2.6) or averages gradients wrongly (2.7).
+TORCH_FLOOR = (2, 8)
+#: The newest torch release the whole test suite has passed on (docs/torch-versions.md).
+TORCH_NEWEST_TESTED = (2, 15)
 
 
 def parse_cuda_version(text: str | None) -> tuple[int, int] | None:
@@ -33,6 +45,42 @@ def parse_cuda_version(text: str | None) -> tuple[int, int] | None:
         return int(major), int(minor)
     except ValueError:
         return None
+
+
+def parse_torch_version(text: str | None) -> tuple[int, int] | None:
+    """``"2.13.0+cpu"`` -> ``(2, 13)``; ``"2.16.0.dev20260101"`` -> ``(2, 16)``; None if unreadable."""
+    match = re.match(r"\s*(\d+)\.(\d+)", str(text or ""))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _release(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def check_torch_version(version: str | None = None) -> Check:
+    """torch's release against the range devicekit supports and was tested on.
+
+    ``version``: torch's ``__version__`` (the installed torch's when None). Below the floor is a
+    fail; newer than the newest tested release is a warning; otherwise a pass.
+    """
+    name = "torch_version"
+    if version is None:
+        torch, error = _import_torch()
+        if torch is None:
+            return Check(name, "skip", f"torch cannot be imported ({error})")
+        version = str(torch.__version__)
+    found = parse_torch_version(version)
+    floor, newest = _release(TORCH_FLOOR), _release(TORCH_NEWEST_TESTED)
+    if found is None:
+        return Check(name, "warn", f"cannot read torch's version {version!r}; devicekit supports "
+                     f"torch {floor} to {newest}")
+    if found < TORCH_FLOOR:
+        return Check(name, "fail", f"torch {version} is older than {floor}, the oldest release "
+                     f"devicekit supports; upgrade with pip install 'torch>={floor}'")
+    if found > TORCH_NEWEST_TESTED:
+        return Check(name, "warn", f"torch {version} is newer than {newest}, the newest release "
+                     "devicekit was tested on; it should work, but report what does not")
+    return Check(name, "pass", f"torch {version}, within the tested {floor} to {newest}")
 
 
 def _import_torch() -> tuple[Any | None, str | None]:

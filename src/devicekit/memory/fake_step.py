@@ -23,10 +23,12 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,7 +151,7 @@ def fake_step(
     """
     tracker = _LiveBytes(device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode, tracker:
+    with _quiet_fake_tensor_log(), fake_mode, tracker:
         fake = _fake_model(model, device, tracker)
         fake.train(training)
         batch = map_tensors(sample, lambda t: _fake_like(t, device))
@@ -170,6 +172,23 @@ def fake_step(
         result = (tracker.peak, dict(tracker.at_peak), tracker.peak_phase)
         del fake, batch, opt
     return result
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Keep torch's fake-tensor logger quiet while a step runs on fake tensors.
+
+    From torch 2.15 a failing meta kernel (a model that does not accept the sample) is logged
+    with its whole traceback on stderr before the error is raised; the caller turns the error
+    into one line, so the log only buries it.
+    """
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 def _flat(obj: Any) -> list[torch.Tensor]:

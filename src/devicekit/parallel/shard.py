@@ -60,6 +60,20 @@ def _policy(precision: str | torch.dtype | None, device: torch.device) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
+def _sum_then_divide(model: nn.Module) -> None:
+    """Reduce gradients with SUM and divide after, on every FSDP module of ``model``.
+
+    FSDP2 reduce-scatters fp32/bf16 gradients with ``ReduceOp.AVG``, which gloo in torch 2.7
+    and 2.8 adds up without dividing (gradients ``world`` times too large, silently; 2.13
+    divides). SUM and a division is the same mean on every release.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def shard(
     model: nn.Module,
     *,
@@ -104,6 +118,8 @@ def shard(
         for _, block in chosen:
             fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
         fully_shard(model, **options)
+        if "gloo" in str(tdist.get_backend()):
+            _sum_then_divide(model)
     except (RuntimeError, ValueError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DistributedError(f"cannot shard {type(model).__name__} over "
