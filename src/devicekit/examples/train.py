@@ -78,11 +78,6 @@ def train(seconds: float = 3.0, steps: int | None = None, batch_size: int = 128,
     Under several ranks the stop decision is agreed every few steps (a MAX all-reduce), so
     every rank runs the same number of steps and no collective is left waiting.
     """
-    import warnings
-
-    # torch 2.13 warns at import that NumPy is missing; the example uses no NumPy, and
-    # `make run` installs devicekit alone
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
     from torch import nn
 
