@@ -89,7 +89,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.size(1)
         x = self.wte(idx) + self.pos[:, :t]
-        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
+        # the causal mask built from the model's own tensor: torch.full(..., device=idx.device)
+        # does not trace with torch.fx before torch 2.9, and Pipeline traces this forward
+        row = torch.zeros_like(self.pos[0, :t, 0])
+        mask = (row.unsqueeze(0) + row.unsqueeze(1)).masked_fill(
+            torch.ones_like(row.unsqueeze(0) + row.unsqueeze(1), dtype=torch.bool).triu(1), float("-inf"))
         for block in self.blocks:
             x = block(x, mask=mask)
         return self.lm_head(self.ln_f(x))
