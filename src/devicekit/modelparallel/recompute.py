@@ -58,6 +58,11 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
     first run, naming ``name``."""
     calls = 0
     copy_input = starts_in_place(module)
+    # An error raised inside torch's non-reentrant checkpoint leaves its generator suspended with
+    # saved-tensor hooks pushed on this thread's stack (torch 2.8-2.11); collected later in another
+    # thread it pops that thread's stack: "INTERNAL ASSERT FAILED ... SavedTensorHooks.cpp" in an
+    # unrelated forward. So a first-run error is kept here and raised once checkpoint returned.
+    failure: list[BaseException] = []
 
     def body(inp: Any) -> Any:
         nonlocal calls
@@ -71,18 +76,26 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
         try:
             # the copy is made inside the checkpointed body: the saved input stays untouched
             out = module(map_tensors(inp, _copy) if copy_input else inp)
+        except BaseException as exc:
+            if not first:
+                raise  # recomputation in backward: torch's own error path
+            failure.append(exc)
+            return None
         finally:
             _state.recomputing = previous
         changed = [t for t, v in versions if t._version != v]
         if changed:
-            raise SplitError(
+            failure.append(SplitError(
                 f"{name} modified its input in place (a {tuple(changed[0].shape)} tensor); checkpointing "
                 "recomputes from that input on backward, so gradients would be wrong: avoid in-place "
                 "ops on a part's input (e.g. nn.ReLU(inplace=True) first in a part) or use checkpoint='never'"
-            )
+            ))
         return out
 
-    return torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+    out = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+    if failure:
+        raise failure[0]
+    return out
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
