@@ -38,6 +38,7 @@ import time
 import warnings
 
 import torch
+from timing import interleaved as _interleaved  # benchmarks/timing.py
 from torch import nn
 
 import devicekit as dk
@@ -62,16 +63,7 @@ def mlp(width: int = 1024, depth: int = 8) -> nn.Sequential:
 
 
 def interleaved(methods: dict, rounds: int = ROUNDS) -> dict[str, list[float]]:
-    """Every run's seconds per method; methods take turns, so load from other processes hits all alike."""
-    for fn in methods.values():
-        fn()  # warm up
-    times: dict = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
+    return _interleaved(methods, rounds)
 
 
 class PerCallThreads:

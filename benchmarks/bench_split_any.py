@@ -27,7 +27,6 @@ import copy
 import importlib.util
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,10 +38,15 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))  # the models of tests/modelparallel
 
 from tests.modelparallel.any_models import GPT  # noqa: E402
+from timing import interleaved as _interleaved  # noqa: E402  (benchmarks/timing.py)
 
 import devicekit as dk  # noqa: E402
 
 ROUNDS = 15
+
+
+def interleaved(methods: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, list[float]]:
+    return _interleaved(methods, rounds, warmup=2)
 
 
 class MLP(nn.Module):
@@ -78,19 +82,6 @@ class HandNet(Net):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.sub_network1(x.to(self.d0))
         return self.sub_network2(x.to(self.d1))
-
-
-def interleaved(methods: dict[str, Callable[[], object]], rounds: int = ROUNDS) -> dict[str, list[float]]:
-    for fn in methods.values():
-        fn()
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
