@@ -171,7 +171,7 @@ class BatchSizeError(DeviceKitError, RuntimeError):
 class GradientMismatchError(DistributedError):
     """A parallel set-up's gradients differ from the single-process reference.
 
-    ``report`` is the :class:`devicekit.parallel.equivalence.EquivalenceReport` with the
+    ``report`` is the :class:`devicekit.strategy.equivalence.EquivalenceReport` with the
     per-parameter differences and the diagnosis.
     """
 

@@ -149,7 +149,7 @@ def test_terminal_gets_coloured_statuses(simulate, tmp_path):
     import subprocess
     import time
 
-    from tests.parallel.conftest import child_env
+    from tests.ranks import child_env
 
     path = simulate([h100(), A100])  # mixed models: a WARN line
     env = child_env(DEVICEKIT_SIMULATE=str(path), TERM="xterm-256color", COLUMNS="200")

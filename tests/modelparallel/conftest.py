@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from tests.parallel.conftest import no_launcher  # noqa: F401  (autouse fixture, shared)
+from tests.ranks import no_launcher  # noqa: F401  (autouse fixture, shared)

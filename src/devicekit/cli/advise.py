@@ -22,7 +22,7 @@ __all__ = ["command"]
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
             as_json: bool) -> None:
     from devicekit.cli.model_factory import load_factory, parse_inputs
-    from devicekit.parallel.advise import advise
+    from devicekit.strategy.advise import advise
 
     sample = parse_inputs(inputs, batch)
     model = load_factory(model_spec)

@@ -1,6 +1,6 @@
 """``devicekit run``: lease GPUs and run a command (or the bundled example) on them.
 
-Formatting only; the logic is :mod:`devicekit.parallel.run`. torchrun's spellings
+Formatting only; the logic is :mod:`devicekit.launch.run`. torchrun's spellings
 (``--nproc_per_node``, ``--max-restarts``, ``--rdzv-*``, ``--standalone``, ``--log-dir``,
 ``--nnodes MIN:MAX``) are accepted and passed to torchrun; its other options are refused with
 a suggestion.
@@ -155,7 +155,7 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     launcher. Without COMMAND the bundled example training runs. The leases are held until
     every process has exited; the exit code is COMMAND's; Ctrl-C stops every process.
     """
-    from devicekit.parallel.run import RunRequest, plan_run, run
+    from devicekit.launch.run import RunRequest, plan_run, run
 
     count, ids = _gpus(gpus)
     if gpu_ids is not None:

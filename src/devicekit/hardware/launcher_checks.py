@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from devicekit.hardware.checks import Check
+from devicekit.hardware.check import Check
 
 __all__ = ["check_launcher", "LAUNCHER_VARIABLES"]
 

@@ -31,50 +31,12 @@ if TYPE_CHECKING:
     from devicekit.hardware.leases import LeaseRecord
     from devicekit.hardware.status import StatusReport
 
-__all__ = ["show_utilization", "render_status"]
+__all__ = ["render_status", "console_width"]
 
 _COMMAND_WIDTH = 60
 
 
-def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True,
-                     compact: bool = False, this_process: bool = False,
-                     label: str | None = None) -> None:
-    """Print the table for this machine now (to ``file``, default stdout).
-
-    ``compact=True``: one line per GPU instead of the table (no torch import).
-    ``this_process=True``: one line for this process's devices (torch's allocated, reserved and
-    peak, plus the GPU's used / total from NVML), cheap enough to call every step.
-    ``label`` (compact forms only) goes in front of each line, e.g. ``label=f"step {step}"``.
-    """
-    import sys
-
-    if compact or this_process:
-        if this_process:
-            from devicekit.memory.usage_line import process_line
-
-            lines = [process_line(label)]
-        else:
-            from devicekit.hardware.compact import gpu_lines
-
-            lines = gpu_lines(label)
-        out = file if file is not None else sys.stdout
-        out.write("".join(f"{line}\n" for line in lines))
-        out.flush()
-        return
-    if label is not None:
-        from devicekit.errors import InvalidValueError
-
-        raise InvalidValueError("label= goes with compact=True or this_process=True, not the table")
-    from rich.console import Console
-
-    from devicekit.hardware.status import collect_status
-
-    report = collect_status()
-    console = Console(file=file, width=_width(file), highlight=False)
-    console.print(render_status(report, all_processes=all_processes))
-
-
-def _width(file: IO[str] | None) -> int | None:
+def console_width(file: IO[str] | None) -> int | None:
     """Full terminal width on a terminal; a fixed, wide-enough width when writing to a file
     (``file=None`` is stdout, which a batch job redirects to its log)."""
     import sys
@@ -335,3 +297,12 @@ def _lease_table(report: StatusReport, now: float) -> Any:
                       + (" (shared)" if r.share else ""),
                       _short(r.command) if r.kind == "lease" else f"(lock only) {_short(r.command)}")
     return table
+
+
+def __getattr__(name: str) -> object:
+    """``devicekit.hardware.table.show_utilization``: moved to devicekit.memory.utilization."""
+    if name == "show_utilization":
+        from devicekit.moved import moved_attribute
+
+        return moved_attribute(__name__, name, "devicekit.memory.utilization")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,1 +1,37 @@
-"""devicekit.parallel"""
+"""devicekit.parallel: what runs inside a rank of a data-parallel job.
+
+The wing a training script calls once its process exists: the process group and this rank's
+device (``dist``, ``rank``, cluster ``environments``), DDP set-up, samplers, epochs, uneven
+inputs and checkpoints (``ddp``), weighted data for mixed GPUs (``weighted_loader``,
+``weighted_split``), single-process DataParallel without the device-0 hotspot
+(``balanced_dp``), FSDP2 sharding per block (``shard``, ``blocks``). Starting and supervising
+the processes is :mod:`devicekit.launch`, one floor up.
+
+May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). Never ``launch``,
+``strategy``, ``cli`` or ``integrations``.
+
+Usage::
+
+    import devicekit as dk
+
+    device = dk.dist.init()                       # torchrun, srun, mpirun, dk.launch or plain python
+    model = dk.ddp(net)                           # right device_ids; unwrapped in one process
+    loader = dk.distributed_loader(dataset, batch_size=32)
+    for epoch in dk.epochs(loader, 10):
+        for x, y in loader: ...
+
+Old paths: the launch modules (``run``, ``launch``, ``supervise``, ...) moved to
+:mod:`devicekit.launch` and ``advise``/``equivalence`` to :mod:`devicekit.strategy`;
+``devicekit.parallel.<old>`` still imports them, with a ``DeprecationWarning``, until the next
+release.
+"""
+
+from devicekit.moved import alias_modules
+
+alias_modules("devicekit.parallel", {
+    **{name: f"devicekit.launch.{name}" for name in (
+        "run", "run_world", "supervise", "launch", "outer", "rank_process", "torchrun_entry",
+        "allocation", "threads")},
+    "advise": "devicekit.strategy.advise",
+    "equivalence": "devicekit.strategy.equivalence",
+})

@@ -136,7 +136,7 @@ def rank_weights(weights: Any, world: int) -> list[float]:
 
 
 def _auto_weights(world: int) -> list[float]:
-    from devicekit.parallel.ddp import rank_device
+    from devicekit.parallel.rank import rank_device
     from devicekit.parallel.weighted_split import resolve_weights
 
     device = rank_device()

@@ -8,9 +8,9 @@ as a shell gives it (128 + N for death by signal N).
 
 Usage::
 
-    from devicekit.parallel.supervise import execute
+    from devicekit.launch.supervise import execute
 
-    code = execute(plan)          # a RunPlan from devicekit.parallel.run.plan_run
+    code = execute(plan)          # a RunPlan from devicekit.launch.run.plan_run (type in launch.request)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from devicekit.errors import CommandNotFoundError
 
 if TYPE_CHECKING:
-    from devicekit.parallel.run import RunPlan
+    from devicekit.launch.request import RunPlan
 
 __all__ = ["execute", "KILL_AFTER_SECONDS"]
 

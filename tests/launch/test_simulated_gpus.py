@@ -17,10 +17,9 @@ import pytest
 
 import devicekit as dk
 from devicekit.hardware.leases import read_leases
-from devicekit.parallel.allocation import allocate
+from devicekit.launch.allocation import allocate
 from tests.conftest import h100
-
-from .conftest import child_env, devicekit_command, pid_written
+from tests.ranks import child_env, devicekit_command, pid_written
 
 UUIDS = [f"GPU-0000000{i}-1111-2222-3333-444444444444" for i in range(4)]
 
@@ -90,8 +89,8 @@ def test_launch_cpu_ranks_on_a_gpu_machine_lease_nothing(
 
 def test_launch_plans_for_each_devices_mode(four_gpus: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit.parallel.allocation import plan_processes
-    from devicekit.parallel.launch import _Job
+    from devicekit.launch.allocation import plan_processes
+    from devicekit.launch.launch import _Job
 
     cpu = plan_processes("cpu", None)
     assert (cpu.nprocs, cpu.on_gpu) == (1, False)
@@ -165,7 +164,7 @@ def test_lease_outlives_a_killed_devicekit_run(four_gpus: Path, tmp_path: Path,
 
 
 def test_run_all_gpus_under_torchrun_plan(four_gpus: Path) -> None:
-    from devicekit.parallel.run import RunRequest, plan_run
+    from devicekit.launch.run import RunRequest, plan_run
 
     plan = plan_run(RunRequest(gpus="all", min_free_memory="10GiB", command=["python", "train.py"]))
     try:

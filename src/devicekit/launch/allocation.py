@@ -8,7 +8,7 @@ leased, even on a GPU machine) and ``"visible"`` (ranks share the caller's GPUs,
 
 Usage::
 
-    from devicekit.parallel.allocation import allocate
+    from devicekit.launch.allocation import allocate
 
     plan = allocate(gpus="all", gpus_per_proc=1)
     print(plan.nprocs, plan.reason)

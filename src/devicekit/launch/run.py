@@ -2,18 +2,18 @@
 
 One process on one node runs the command directly (with torchrun's variables for a world of
 one, so a script written for torchrun runs unchanged); several processes or nodes run it under
-torchrun (``python -m devicekit.parallel.torchrun_entry``: torchrun's own parser and agent, but
+torchrun (``python -m devicekit.launch.torchrun_entry``: torchrun's own parser and agent, but
 exiting with the failed rank's code instead of 1), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
-supervision (signals, exit codes, no orphans) is :mod:`devicekit.parallel.supervise`.
+supervision (signals, exit codes, no orphans) is :mod:`devicekit.launch.supervise`.
 Under an outer launcher (srun, mpirun, torchrun, a Kubeflow pod) the world comes from it
-(:mod:`devicekit.parallel.run_world`): the command runs as the rank the launcher started, or
+(:mod:`devicekit.launch.run_world`): the command runs as the rank the launcher started, or
 torchrun runs on this node with the launcher's node count, node rank and master.
 
 Usage::
 
-    from devicekit.parallel.run import RunRequest, run
+    from devicekit.launch.run import RunRequest, run
 
     code = run(RunRequest(gpus=2, command=["python", "train.py"]))
 """
@@ -24,18 +24,18 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
-from devicekit.parallel.allocation import Allocation, allocate
+from devicekit.launch.allocation import Allocation, allocate
+from devicekit.launch.request import TORCHRUN_ENTRY, RunPlan, RunRequest
+from devicekit.launch.run_world import World, asked_procs, resolve_world
+from devicekit.launch.supervise import execute
+from devicekit.launch.threads import omp_threads, usable_cores
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments import DistEnv
 from devicekit.parallel.environments.base import DEFAULT_PORT
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
-from devicekit.parallel.run_world import World, asked_procs, resolve_world
-from devicekit.parallel.supervise import execute
-from devicekit.parallel.threads import omp_threads, usable_cores
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND",
            "rank_variables", "single_process_variables"]
@@ -45,57 +45,6 @@ EXAMPLE_COMMAND = ("-m", "devicekit.examples")
 #: variables a devicekit job sets for its ranks: stale in a new job's environment
 _STALE = (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
           "TORCHELASTIC_USE_AGENT_STORE")
-
-
-@dataclass
-class RunRequest:
-    """The ``devicekit run`` flags."""
-
-    command: list[str] = field(default_factory=list)
-    #: a count, "all", or None (not asked)
-    gpus: int | str | None = None
-    procs: int | None = None
-    gpus_per_proc: int = 1
-    min_free_memory: int | str | None = None
-    wait: float | None = None
-    #: "N" or "MIN:MAX"; None: one node, or what the outer launcher says
-    nnodes: str | None = None
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    #: explicit GPUs (indices or UUIDs), in the order the ranks get them
-    gpu_ids: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    max_utilization: float | None = None
-    # torchrun's own options, passed to it
-    rdzv_backend: str | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    standalone: bool = False
-    max_restarts: int | None = None
-    log_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.nnodes is not None:
-            self.nnodes = str(self.nnodes)
-
-
-#: the module ``devicekit run`` starts for several processes or nodes (torchrun underneath)
-TORCHRUN_ENTRY = "devicekit.parallel.torchrun_entry"
-
-
-@dataclass
-class RunPlan:
-    """What will be started: ``argv`` with ``env``, on ``allocation``; ``notes`` say why."""
-
-    argv: list[str]
-    env: dict[str, str]
-    allocation: Allocation
-    notes: list[str]
-
-    @property
-    def distributed(self) -> bool:
-        return TORCHRUN_ENTRY in self.argv
 
 
 def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
@@ -285,7 +234,7 @@ def _command(command: list[str]) -> list[str]:
 
 
 def _free_port() -> int:
-    from devicekit.parallel.launch import free_port
+    from devicekit.launch.launch import free_port
 
     return free_port()
 

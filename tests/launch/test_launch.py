@@ -195,7 +195,7 @@ def test_ranks_die_with_a_killed_parent(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from .conftest import child_env
+    from tests.ranks import child_env
 
     script = tmp_path / "parent.py"
     script.write_text(PARENT_SCRIPT)
@@ -236,8 +236,8 @@ def test_the_rank_that_failed_first_is_blamed_not_its_peers() -> None:
     """No processes: the supervisor's choice among failures that arrived together."""
     import shutil
 
-    from devicekit.parallel.allocation import plan_processes
-    from devicekit.parallel.launch import _Job
+    from devicekit.launch.allocation import plan_processes
+    from devicekit.launch.launch import _Job
 
     job = _Job(plan_processes("cpu", 3), b"", "gloo", None)
     shutil.rmtree(job.workdir)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devicekit.errors import GradientMismatchError, InvalidValueError
-from devicekit.parallel.ddp import is_distributed, rank_device
+from devicekit.parallel.rank import is_distributed, rank_device
 
 __all__ = ["check_equivalence", "EquivalenceReport", "ParameterDiff"]
 
@@ -185,7 +185,7 @@ def _run_parallel(parallel: str | Callable[..., Any], model_fn: Callable[[], nn.
         grads = _ddp_rank_step(model_fn, state, batch, loss_fn, seed)
         return grads, dist.get_world_size(), "DDP"
     if parallel == "ddp":
-        from devicekit.parallel.launch import launch
+        from devicekit.launch.launch import launch
 
         cpu = torch.device("cpu")
         cpu_state = {k: v.detach().cpu() for k, v in state.items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import child_env, devicekit_command, rendezvous_port
+from tests.ranks import child_env, devicekit_command, rendezvous_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ ones Kubeflow sets for torchrun) and says what the launcher decided:
 
 Usage::
 
-    from devicekit.parallel.outer import detect_outer
+    from devicekit.launch.outer import detect_outer
 
     outer = detect_outer({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
                           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]"})

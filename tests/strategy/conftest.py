@@ -1,0 +1,3 @@
+"""Fixtures for the strategy tests (equivalence checks start rank processes): see tests/ranks.py."""
+
+from tests.ranks import no_launcher, no_leftover_children  # noqa: F401  (fixtures; no_launcher is autouse)
