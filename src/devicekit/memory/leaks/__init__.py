@@ -12,6 +12,8 @@ Usage::
     print(ld.report())
     report.leaks[0].holder, report.leaks[0].lineno, report.to_json()
 
+Part of the ``memory`` wing: imports ``units``, ``errors``, ``hardware``, ``placement``.
+
 Modules: ``holders`` (what to watch), ``measure`` (how big), ``trend`` (is it growing),
 ``lines`` (which line), ``cycles`` (reference cycles), ``verdict`` (kind and fix),
 ``report`` (Leak, LeakReport), ``detector`` (LeakDetector), ``find`` (find_leaks).
