@@ -21,7 +21,7 @@ FLOORS = [
     {"hardware", "placement"},
     {"memory", "measure"},
     {"parallel", "modelparallel"},
-    {"launch"},
+    {"jobs"},
     {"strategy"},
     {"cli", "examples", "integrations", "serve"},
 ]
@@ -133,15 +133,15 @@ def test_hardware_imports_no_torch_and_no_other_wing() -> None:
 
 
 OLD_PATHS = {
-    "devicekit.parallel.run": "devicekit.launch.run",
-    "devicekit.parallel.run_world": "devicekit.launch.run_world",
-    "devicekit.parallel.supervise": "devicekit.launch.supervise",
-    "devicekit.parallel.launch": "devicekit.launch.launch",
-    "devicekit.parallel.outer": "devicekit.launch.outer",
-    "devicekit.parallel.rank_process": "devicekit.launch.rank_process",
-    "devicekit.parallel.torchrun_entry": "devicekit.launch.torchrun_entry",
-    "devicekit.parallel.allocation": "devicekit.launch.allocation",
-    "devicekit.parallel.threads": "devicekit.launch.threads",
+    "devicekit.parallel.run": "devicekit.jobs.run",
+    "devicekit.parallel.run_world": "devicekit.jobs.run_world",
+    "devicekit.parallel.supervise": "devicekit.jobs.supervise",
+    "devicekit.parallel.launch": "devicekit.jobs.launch",
+    "devicekit.parallel.outer": "devicekit.jobs.outer",
+    "devicekit.parallel.rank_process": "devicekit.jobs.rank_process",
+    "devicekit.parallel.torchrun_entry": "devicekit.jobs.torchrun_entry",
+    "devicekit.parallel.allocation": "devicekit.jobs.allocation",
+    "devicekit.parallel.threads": "devicekit.jobs.threads",
     "devicekit.parallel.advise": "devicekit.strategy.advise",
     "devicekit.parallel.equivalence": "devicekit.strategy.equivalence",
 }
@@ -159,7 +159,7 @@ def test_old_from_import_of_a_name_works() -> None:
     sys.modules.pop("devicekit.parallel.run", None)
     with pytest.warns(DeprecationWarning):
         from devicekit.parallel.run import RunRequest
-    from devicekit.launch.request import RunRequest as New
+    from devicekit.jobs.request import RunRequest as New
 
     assert RunRequest is New
 

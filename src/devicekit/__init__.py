@@ -99,7 +99,7 @@ _EXPORTS: dict[str, str] = {
     "advise": "devicekit.strategy.advise:advise",
     "Advice": "devicekit.strategy.advise:Advice",
     # parallel
-    "launch": "devicekit.launch.launch:launch",
+    "launch": "devicekit.jobs.launch:launch",
     "dist": "devicekit.parallel.dist",
     "ddp": "devicekit.parallel.ddp:ddp",
     "BalancedDataParallel": "devicekit.parallel.balanced_dp:BalancedDataParallel",

@@ -320,7 +320,7 @@ def _rejected(candidates: list[Candidate], chosen: list[Candidate], request: _Re
         if c.gpu.uuid in picked:
             continue
         if c.eligible:
-            lines.append(f"GPU {c.gpu.index}: eligible but not needed "
+            lines.append(f"{c.gpu.label}: eligible but not needed "
                          f"({request.count} asked, order {request.order})")
         else:
             lines.append(c.line())
@@ -405,7 +405,7 @@ def _shortfall(request: _Request, candidates: Sequence[Candidate], empty: str,
                                  [reason], waiting_helps=False)
     if not _waiting_helps(candidates, request):
         possible = sum(c.possible for c in candidates)
-        lasting = [f"GPU {c.gpu.index}: {'; '.join(c.lasting)}" for c in candidates if c.lasting]
+        lasting = [f"{c.gpu.label}: {'; '.join(c.lasting)}" for c in candidates if c.lasting]
         if lasting:
             message = (f"need {asked} GPU(s) but only {possible} of the {len(candidates)} GPU(s)"
                        f" here could ever qualify: {'; '.join(lasting)}; waiting cannot help")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from devicekit.errors import DeviceKitError
-from devicekit.launch.outer import detect_outer
-from devicekit.launch.run import RunPlan, RunRequest, plan_run
+from devicekit.jobs.outer import detect_outer
+from devicekit.jobs.run import RunPlan, RunRequest, plan_run
 from devicekit.parallel.environments import detect_environment
 from devicekit.parallel.environments.slurm import port_for_job
 from tests.conftest import h100
@@ -63,7 +63,7 @@ def torchrun_args(argv: list[str]) -> object:
     """The argv as torchrun's own parser reads it (no PET_* defaults from this process)."""
     from torch.distributed.run import parse_args
 
-    start = argv.index("devicekit.launch.torchrun_entry") + 1
+    start = argv.index("devicekit.jobs.torchrun_entry") + 1
     return parse_args(argv[start:])
 
 

@@ -14,7 +14,7 @@ ones Kubeflow sets for torchrun) and says what the launcher decided:
 
 Usage::
 
-    from devicekit.launch.outer import detect_outer
+    from devicekit.jobs.outer import detect_outer
 
     outer = detect_outer({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
                           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]"})
@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from devicekit.errors import LaunchError
+from devicekit.hardware.slurm_job import is_batch_script
 from devicekit.parallel.environments import DistEnv, detect_environment
 from devicekit.parallel.environments.base import integer_variable
 
@@ -46,9 +47,6 @@ LAUNCHERS = {
 #: Kubeflow's variables for torchrun (torchrun reads ``PET_<OPTION>`` as the option's default)
 PET_VARIABLES = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
                  "PET_NPROC_PER_NODE", "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_RDZV_ID")
-
-#: Slurm step ids of a batch script and of the "extern" step: not tasks started by srun
-_NOT_SRUN_STEPS = ("4294967294", "4294967295", "batch", "extern")
 
 
 @dataclass(frozen=True)
@@ -115,8 +113,8 @@ def detect_outer(environ: Mapping[str, str]) -> OuterJob | None:
         return pet
     kind = detect_environment(environ)
     if kind.name == "single":
-        return None
-    if kind.name == "slurm" and _slurm_batch_step(environ):
+        if is_batch_script(environ):
+            _refuse_batch_over_nodes(environ)
         return None
     facts = kind.read()  # a one-line DistributedError when the variables are bad
     if facts.world_size <= 1:
@@ -154,15 +152,9 @@ def _pet(environ: Mapping[str, str]) -> OuterJob | None:
     )
 
 
-def _slurm_batch_step(environ: Mapping[str, str]) -> bool:
-    """True in an sbatch script itself (no srun step): one process on the first node only.
-
-    Its SLURM_NTASKS is the job's, but no other task exists yet; joining a world of that size
-    would wait forever. On one node it is a plain machine; over several it is refused.
-    """
-    step = (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "").strip()
-    if step and step not in _NOT_SRUN_STEPS:
-        return False
+def _refuse_batch_over_nodes(environ: Mapping[str, str]) -> None:
+    """An sbatch script runs on the first node only: one process there is a plain machine (a
+    world of one, as ``dk.dist`` also says), but a job over several nodes would use only one."""
     nodes = integer_variable(environ, "SLURM_NNODES", integer_variable(environ, "SLURM_JOB_NUM_NODES", 1))
     if nodes > 1:
         raise LaunchError(
@@ -170,4 +162,3 @@ def _slurm_batch_step(environ: Mapping[str, str]) -> bool:
             " on the first node only; start it on every node: srun --ntasks-per-node=1"
             " devicekit run ... (devicekit run then starts torchrun per node)"
         )
-    return True

@@ -236,8 +236,8 @@ def test_the_rank_that_failed_first_is_blamed_not_its_peers() -> None:
     """No processes: the supervisor's choice among failures that arrived together."""
     import shutil
 
-    from devicekit.launch.allocation import plan_processes
-    from devicekit.launch.launch import _Job
+    from devicekit.jobs.allocation import plan_processes
+    from devicekit.jobs.launch import _Job
 
     job = _Job(plan_processes("cpu", 3), b"", "gloo", None)
     shutil.rmtree(job.workdir)

@@ -8,9 +8,9 @@ as a shell gives it (128 + N for death by signal N).
 
 Usage::
 
-    from devicekit.launch.supervise import execute
+    from devicekit.jobs.supervise import execute
 
-    code = execute(plan)          # a RunPlan from devicekit.launch.run.plan_run (type in launch.request)
+    code = execute(plan)          # a RunPlan from devicekit.jobs.run.plan_run (type in launch.request)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from devicekit.errors import CommandNotFoundError
 
 if TYPE_CHECKING:
-    from devicekit.launch.request import RunPlan
+    from devicekit.jobs.request import RunPlan
 
 __all__ = ["execute", "KILL_AFTER_SECONDS"]
 

@@ -39,7 +39,7 @@ def torchrun_args(lines: list[str]) -> Any:
     from torch.distributed.run import parse_args
 
     argv = shlex.split(lines[-1])
-    return parse_args(argv[argv.index("devicekit.launch.torchrun_entry") + 1:])
+    return parse_args(argv[argv.index("devicekit.jobs.torchrun_entry") + 1:])
 
 
 @pytest.fixture

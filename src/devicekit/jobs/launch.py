@@ -44,9 +44,9 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, RankHangError
-from devicekit.launch.allocation import Allocation, devices_mode, plan_processes, positive_count
-from devicekit.launch.rank_process import STACK_SIGNAL, rank_main
-from devicekit.launch.threads import omp_threads
+from devicekit.jobs.allocation import Allocation, devices_mode, plan_processes, positive_count
+from devicekit.jobs.rank_process import STACK_SIGNAL, rank_main
+from devicekit.jobs.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
 

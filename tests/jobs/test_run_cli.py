@@ -25,7 +25,7 @@ def run_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.Completed
 
 
 def test_plan_for_cpu_processes_under_torchrun() -> None:
-    from devicekit.launch.run import RunRequest, plan_run
+    from devicekit.jobs.run import RunRequest, plan_run
 
     outer = {"PATH": "/usr/bin", "DEVICEKIT_OWN_DEVICES": "1", "DEVICEKIT_LAUNCH": "1"}
     plan = plan_run(RunRequest(procs=2, command=["train.py", "--lr", "3"]), environ=outer)
@@ -106,8 +106,8 @@ def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
     """torchrun exits 1 after a SIGTERM (SignalException); devicekit run reports 128 + 15."""
     import threading
 
-    from devicekit.launch.allocation import Allocation
-    from devicekit.launch.run import TORCHRUN_ENTRY, RunPlan, execute
+    from devicekit.jobs.allocation import Allocation
+    from devicekit.jobs.run import TORCHRUN_ENTRY, RunPlan, execute
 
     # stands in for torchrun: exits 1 on SIGTERM (TORCHRUN_ENTRY marks the plan distributed)
     script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(1));"
@@ -127,8 +127,8 @@ def test_forwarded_signal_gives_128_plus_n_for_torchrun() -> None:
 def test_ranks_orphaned_by_their_launcher_are_stopped(tmp_path: Path) -> None:
     """torchrun starts every rank in a session of its own; if torchrun dies (killed after the
     grace period, OOM killer) its ranks must not outlive devicekit run."""
-    from devicekit.launch.allocation import Allocation
-    from devicekit.launch.run import RunPlan, execute
+    from devicekit.jobs.allocation import Allocation
+    from devicekit.jobs.run import RunPlan, execute
 
     pid_file = tmp_path / "rank.pid"
     rank = "import time; time.sleep(60)"
@@ -276,8 +276,8 @@ def test_ctrl_c_on_a_terminal_stops_every_process(tmp_path: Path, no_leftover_ch
 
 
 def test_omp_threads_set_deliberately_for_several_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit.launch.run import RunRequest, plan_run
-    from devicekit.launch.threads import omp_threads
+    from devicekit.jobs.run import RunRequest, plan_run
+    from devicekit.jobs.threads import omp_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
     plan = plan_run(RunRequest(procs=2, command=["train.py"]), environ={"PATH": "/usr/bin"})

@@ -17,7 +17,7 @@ import pytest
 
 import devicekit as dk
 from devicekit.hardware.leases import read_leases
-from devicekit.launch.allocation import allocate
+from devicekit.jobs.allocation import allocate
 from tests.conftest import h100
 from tests.ranks import child_env, devicekit_command, pid_written
 
@@ -89,8 +89,8 @@ def test_launch_cpu_ranks_on_a_gpu_machine_lease_nothing(
 
 def test_launch_plans_for_each_devices_mode(four_gpus: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from devicekit.launch.allocation import plan_processes
-    from devicekit.launch.launch import _Job
+    from devicekit.jobs.allocation import plan_processes
+    from devicekit.jobs.launch import _Job
 
     cpu = plan_processes("cpu", None)
     assert (cpu.nprocs, cpu.on_gpu) == (1, False)
@@ -164,7 +164,7 @@ def test_lease_outlives_a_killed_devicekit_run(four_gpus: Path, tmp_path: Path,
 
 
 def test_run_all_gpus_under_torchrun_plan(four_gpus: Path) -> None:
-    from devicekit.launch.run import RunRequest, plan_run
+    from devicekit.jobs.run import RunRequest, plan_run
 
     plan = plan_run(RunRequest(gpus="all", min_free_memory="10GiB", command=["python", "train.py"]))
     try:

@@ -2,18 +2,18 @@
 
 One process on one node runs the command directly (with torchrun's variables for a world of
 one, so a script written for torchrun runs unchanged); several processes or nodes run it under
-torchrun (``python -m devicekit.launch.torchrun_entry``: torchrun's own parser and agent, but
+torchrun (``python -m devicekit.jobs.torchrun_entry``: torchrun's own parser and agent, but
 exiting with the failed rank's code instead of 1), which does the rendezvous. The child gets
 CUDA_VISIBLE_DEVICES with the leased GPUs' UUIDs and inherits the lease file descriptors, so
 the GPUs stay leased until the child itself has exited even if ``devicekit run`` is killed;
-supervision (signals, exit codes, no orphans) is :mod:`devicekit.launch.supervise`.
+supervision (signals, exit codes, no orphans) is :mod:`devicekit.jobs.supervise`.
 Under an outer launcher (srun, mpirun, torchrun, a Kubeflow pod) the world comes from it
-(:mod:`devicekit.launch.run_world`): the command runs as the rank the launcher started, or
+(:mod:`devicekit.jobs.run_world`): the command runs as the rank the launcher started, or
 torchrun runs on this node with the launcher's node count, node rank and master.
 
 Usage::
 
-    from devicekit.launch.run import RunRequest, run
+    from devicekit.jobs.run import RunRequest, run
 
     code = run(RunRequest(gpus=2, command=["python", "train.py"]))
 """
@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping
 
 from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
-from devicekit.launch.allocation import Allocation, allocate
-from devicekit.launch.request import TORCHRUN_ENTRY, RunPlan, RunRequest
-from devicekit.launch.run_world import World, asked_procs, resolve_world
-from devicekit.launch.supervise import execute
-from devicekit.launch.threads import omp_threads, usable_cores
+from devicekit.jobs.allocation import Allocation, allocate
+from devicekit.jobs.request import TORCHRUN_ENTRY, RunPlan, RunRequest
+from devicekit.jobs.run_world import World, asked_procs, resolve_world
+from devicekit.jobs.supervise import execute
+from devicekit.jobs.threads import omp_threads, usable_cores
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments import DistEnv
 from devicekit.parallel.environments.base import DEFAULT_PORT
@@ -234,7 +234,7 @@ def _command(command: list[str]) -> list[str]:
 
 
 def _free_port() -> int:
-    from devicekit.launch.launch import free_port
+    from devicekit.jobs.launch import free_port
 
     return free_port()
 

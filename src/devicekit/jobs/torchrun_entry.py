@@ -8,7 +8,7 @@ when a signal N killed it), after one line that says which rank it was.
 
 Usage::
 
-    python -m devicekit.launch.torchrun_entry --nproc-per-node 2 --no-python sh -c 'exit 7'
+    python -m devicekit.jobs.torchrun_entry --nproc-per-node 2 --no-python sh -c 'exit 7'
     echo $?   # 7
 """
 

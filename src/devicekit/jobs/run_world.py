@@ -2,15 +2,15 @@
 
 :func:`resolve_world` checks the node flags (``--nnodes N|MIN:MAX``, ``--node-rank``,
 ``--master-addr/--master-port``, torchrun's ``--rdzv-*`` and ``--standalone``) before anything
-is leased, and reconciles them with an outer launcher (:mod:`devicekit.launch.outer`): a flag
+is leased, and reconciles them with an outer launcher (:mod:`devicekit.jobs.outer`): a flag
 that agrees with the launcher is accepted, one that contradicts it is refused with one line;
 nothing is overwritten silently. The result says whether the command runs as one rank the
 launcher started (``World.task``) or under torchrun with these node options.
 
 Usage::
 
-    from devicekit.launch.request import RunRequest
-    from devicekit.launch.run_world import resolve_world
+    from devicekit.jobs.request import RunRequest
+    from devicekit.jobs.run_world import resolve_world
 
     world = resolve_world(RunRequest(procs=2), environ={})
     world.standalone      # True: one node, torchrun's own rendezvous on a free port
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from devicekit.errors import InvalidValueError, LaunchError
-from devicekit.launch.outer import OuterJob, detect_outer, parse_nnodes
+from devicekit.jobs.outer import OuterJob, detect_outer, parse_nnodes
 from devicekit.parallel.environments import DistEnv
 from devicekit.parallel.environments.base import check_resolvable, is_loopback
 
 if TYPE_CHECKING:
-    from devicekit.launch.request import RunRequest
+    from devicekit.jobs.request import RunRequest
 
 __all__ = ["World", "resolve_world", "RDZV_BACKENDS"]
 

@@ -8,7 +8,7 @@ leased, even on a GPU machine) and ``"visible"`` (ranks share the caller's GPUs,
 
 Usage::
 
-    from devicekit.launch.allocation import allocate
+    from devicekit.jobs.allocation import allocate
 
     plan = allocate(gpus="all", gpus_per_proc=1)
     print(plan.nprocs, plan.reason)
@@ -21,11 +21,12 @@ Usage::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from devicekit.errors import InvalidValueError, NoDeviceAvailable
+from devicekit.errors import DeviceKitError, InvalidValueError, NoDeviceAvailable
 from devicekit.units import parse_size
 
 __all__ = ["Allocation", "allocate", "plan_processes", "devices_mode", "positive_count", "DEVICE_MODES"]
@@ -120,6 +121,10 @@ def allocate(
                 raise InvalidValueError(f"--gpus {gpus!r} must be a number or 'all'") from None
         else:
             gpus = "all"
+    if gpus == 0:
+        raise InvalidValueError(
+            "--gpus 0 asks for no GPU: drop --gpus to run on the CPU; for GPU 0 itself write"
+            " --gpus 0, (a list of one) or --gpu-ids 0")
     if gpus != "all":
         _positive("gpus", gpus)  # type: ignore[arg-type]
     present = inventory_gpus()
@@ -134,6 +139,15 @@ def allocate(
                 " run on the CPU", [getattr(backend(), "reason", "no GPU found")])
         ids = _resolve_ids(present, gpu_ids)
         gpus = len(ids)
+    if present and gpus is None and not ids and _all_hidden(present):
+        # the default is one GPU where there is one, the CPU otherwise: with every GPU hidden
+        # (CUDA_VISIBLE_DEVICES=-1 or ""), there is none this job may use
+        raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+        count = procs or 1
+        what = "1 process" if count == 1 else f"{count} processes with gloo"
+        return Allocation(count, gpus_per_proc, None,
+                          f"running on the CPU ({what}): CUDA_VISIBLE_DEVICES={raw!r} hides every"
+                          f" GPU ({len(present)} on this machine); unset it or ask --gpus N to use them")
     if not present:
         if gpus is not None:
             why = getattr(backend(), "reason", "no GPU found")
@@ -163,14 +177,25 @@ def allocate(
         if procs is not None and procs * gpus_per_proc != gpus:
             raise InvalidValueError(
                 f"--procs {procs} x --gpus-per-proc {gpus_per_proc} does not match --gpus {gpus};"
-                " give one of --gpus or --procs"
+                f" give --procs that divides {gpus} (each process then drives --gpus/--procs GPUs),"
+                " or only one of --gpus and --procs"
             )
         count = gpus
     else:
         count = (procs or 1) * gpus_per_proc
+    busy: list[tuple[Any, str]] = []
+    if gpus == "all" and min_free_memory is None and max_utilization is None:
+        busy = [(g, why) for g in present if (why := busy_reason(g))]
+        if len(busy) == len(present):
+            lines = [f"{g.label}: {why}" for g, why in busy]
+            raise NoDeviceAvailable(
+                f"--gpus all: no GPU is free ({'; '.join(lines)}); name the ones to share"
+                f" (--gpus {','.join(str(g.index) for g in present)}) or set --max-util/--min-free",
+                lines, waiting_helps=False)
     filters = {"min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
                "max_utilization": max_utilization,
-               "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids)]}
+               "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids),
+                           *(g.uuid for g, _ in busy)]}
     if ids:
         named = [p.strip() for e in exclude for p in str(e).split(",") if p.strip()]
         clash = [e for e in named if _resolve_ids(present, [e])[0] in ids]
@@ -183,9 +208,14 @@ def allocate(
         selection = _strongest_first(_lease(count, gpus_per_proc, filters))
     chosen = len(selection.gpus)
     nprocs = chosen // gpus_per_proc
-    names = ", ".join(f"GPU {g.index} ({g.name}, {_free(g)} free)" for g in selection.gpus)
+    names = ", ".join(f"{g.label} ({g.name}, {_free(g)} free)" for g in selection.gpus)
     reason = f"leased {names} for {nprocs} process(es) x {gpus_per_proc} GPU(s)"
-    return Allocation(nprocs, gpus_per_proc, selection, reason, list(selection.rejected))
+    every = ",".join(str(g.index) for g in present)
+    skipped = [f"{g.label}: {why}; --gpus all takes the free GPUs (to use it too, name them:"
+               f" --gpus {every})" for g, why in busy]
+    rejected = [line for line in selection.rejected
+                if not any(line.startswith(f"{g.label}:") for g, _ in busy)]
+    return Allocation(nprocs, gpus_per_proc, selection, reason, [*skipped, *rejected])
 
 
 #: ``launch(devices=...)``: lease GPUs (CPU without any) / CPU ranks, GPUs hidden / see every
@@ -274,6 +304,37 @@ def _lease(count: int | None, per_proc: int, kwargs: dict[str, Any]) -> Any:
         return selection
     selection.release()
     return select_gpus(max(usable, per_proc), **kwargs)
+
+
+#: ``--gpus all`` takes the GPUs that are free: at most this share of memory used by others ...
+BUSY_MEMORY_SHARE = 0.10
+#: ... and at most this utilization (percent); ``--min-free``/``--max-util`` replace both
+BUSY_UTILIZATION = 10.0
+
+
+def busy_reason(gpu: Any) -> str | None:
+    """Why ``gpu`` is not free for ``--gpus all`` (another job's load or memory), or None."""
+    from devicekit.units import format_size
+
+    used_share = gpu.memory_used / gpu.memory_total if gpu.memory_total else 0.0
+    util = gpu.utilization
+    if used_share <= BUSY_MEMORY_SHARE and (util is None or util <= BUSY_UTILIZATION):
+        return None
+    load = f"{util:g}% busy, " if util is not None else ""
+    return f"in use by another job ({load}{format_size(gpu.memory_used)} of" \
+           f" {format_size(gpu.memory_total)} used)"
+
+
+def _all_hidden(present: Sequence[Any]) -> bool:
+    """CUDA_VISIBLE_DEVICES is set and shows none of the GPUs (``-1``, ``""``, ``none``)."""
+    from devicekit.hardware.visible import visible_devices
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        return False
+    try:
+        return not visible_devices(present, warn=False)
+    except DeviceKitError:  # a malformed value: select_gpus names it in one line
+        return False
 
 
 def _strongest_first(selection: Any) -> Any:

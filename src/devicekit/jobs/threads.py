@@ -6,7 +6,7 @@ core for OpenMP, so they fight over them. devicekit sets ``OMP_NUM_THREADS`` to 
 
 Usage::
 
-    from devicekit.launch.threads import omp_threads
+    from devicekit.jobs.threads import omp_threads
     env.setdefault("OMP_NUM_THREADS", str(omp_threads(nprocs)))
 """
 

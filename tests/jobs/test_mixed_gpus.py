@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import devicekit as dk
-from devicekit.launch.allocation import allocate
-from devicekit.launch.run import RunRequest, plan_run
+from devicekit.jobs.allocation import allocate
+from devicekit.jobs.run import RunRequest, plan_run
 from tests.mixed import MIXED_UUIDS, mixed_machine
 
 

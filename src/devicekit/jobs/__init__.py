@@ -1,4 +1,4 @@
-"""devicekit.launch: starting and supervising the processes of a job.
+"""devicekit.jobs: starting and supervising the processes of a job.
 
 Everything ``devicekit run`` and ``dk.launch`` do before and around the ranks: read what was
 asked (``request``), the world an outer launcher (srun, mpirun, torchrun, a Kubeflow pod) already
@@ -7,6 +7,7 @@ build and start the command, directly or under torchrun (``run``, ``torchrun_ent
 supervise it: signals, exit codes, no orphans (``supervise``); ``dk.launch(fn)`` from Python with
 its rank processes (``launch``, ``rank_process``) and thread counts (``threads``).
 What runs *inside* a rank (process group, DDP, FSDP) is :mod:`devicekit.parallel`, one floor down.
+(Named ``jobs``, not ``launch``, so that the package does not shadow the function ``dk.launch``.)
 
 May import: ``units``, ``errors``, ``hardware``, ``placement``, ``memory``, ``parallel``. Never
 ``strategy``, ``cli``, ``integrations``.
@@ -14,7 +15,7 @@ May import: ``units``, ``errors``, ``hardware``, ``placement``, ``memory``, ``pa
 Usage::
 
     import devicekit as dk
-    from devicekit.launch.run import RunRequest, plan_run, run
+    from devicekit.jobs.run import RunRequest, plan_run, run
 
     results = dk.launch(train, nprocs=2, timeout=600)          # Python: supervised ranks
     code = run(RunRequest(gpus=2, command=["python", "train.py"]))   # what `devicekit run` does
