@@ -61,7 +61,7 @@ def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:
     """The address family and numeric address to bind ``host`` to; :class:`ServeError` if none."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
         raise ServeError(f"--host {host!r} is not an address or a name this machine can resolve "
                          f"({getattr(exc, 'strerror', None) or exc}); use e.g. --host 127.0.0.1") from None
     family, _, _, _, address = infos[0]
