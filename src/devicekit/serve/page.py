@@ -152,7 +152,7 @@ def _gpu_card(gpu: dict[str, Any], now: float, hide_commands: bool) -> str:
         parts.append(f'<p class="facts">{" &middot; ".join(facts)}</p>')
     migs = gpu.get("mig_devices", [])
     if migs:
-        parts.append(_mig_table(migs, now, hide_commands))
+        parts.append(_mig_table(migs))
     if leases:
         parts.append(_lease_list(leases, now, hide_commands))
     procs = gpu.get("processes", [])
@@ -162,7 +162,7 @@ def _gpu_card(gpu: dict[str, Any], now: float, hide_commands: bool) -> str:
     return "\n".join(parts)
 
 
-def _mig_table(migs: list[dict[str, Any]], now: float, hide_commands: bool) -> str:
+def _mig_table(migs: list[dict[str, Any]]) -> str:
     rows = []
     for mig in migs:
         holders = ", ".join(esc(lease.get("user")) for lease in mig.get("leases", [])) or "-"
