@@ -105,9 +105,14 @@ def test_a_failed_sample_keeps_the_last_good_one_and_says_so(simulate):
         assert b"devicekit_sample_errors_total 1.0" in snap.metrics_text
         assert b"latest sample failed: NVML: GPU is lost" in snap.fragment_html
         broken.clear()
+        sampler._collect = lambda: {}["a bug"]  # not a DeviceKitError: shown all the same
+        sampler.sample_once()
+        assert sampler.snapshot.error == "KeyError: 'a bug'"
+        assert sampler.snapshot.errors_total == 2 and sampler.snapshot.status == good.status
+        sampler._collect = collect
         sampler.sample_once()
         snap = sampler.snapshot
         assert snap.error is None and b"devicekit_sample_ok 1.0" in snap.metrics_text
-        assert b"devicekit_sample_errors_total 1.0" in snap.metrics_text
+        assert b"devicekit_sample_errors_total 2.0" in snap.metrics_text
     finally:
         sampler.stop()

@@ -115,8 +115,10 @@ class Sampler:
         old = self.snapshot
         try:
             doc = self._collect()
-        except (DeviceKitError, OSError, ValueError) as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # any failure: the thread lives on and the error is shown
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            message = text if isinstance(exc, DeviceKitError) and text else (
+                f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
             self._snapshot = self.build(old.status, error=message,
                                         errors_total=old.errors_total + 1, hidden=True)
         else:
