@@ -88,6 +88,9 @@ def test_mig_instances_and_their_leases(simulate):
     assert f'data-uuid="{instance.uuid}"' in page and "3g.40gb" in page
     row = page.split(f'data-uuid="{instance.uuid}"')[1].split("</tr>")[0]
     assert dict(lease_key)["user"] in row  # the holder is shown on its instance
+    simulate([{"name": "NVIDIA A100-SXM4-80GB", "memory_total": "80GiB", "memory_used": "0GiB",
+               "utilization": 0, "mig": True}])
+    assert "MIG mode, no instances" in render_fragment(collect_status().to_dict())
 
 
 def test_users_are_bounded():

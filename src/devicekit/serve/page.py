@@ -135,6 +135,8 @@ def _gpu_card(gpu: dict[str, Any], now: float, hide_commands: bool) -> str:
         facts.append(f"{gpu['power_draw']:.0f}" + (f" / {limit:.0f}" if limit else "") + " W")
     if membw is not None:
         facts.append(f"mem-bw {_percent(membw)}")
+    if gpu.get("mig_enabled") and not gpu.get("mig_devices"):
+        facts.append("MIG mode, no instances")
     leases = gpu.get("leases", [])
     busy = gpu.get("processes") or (util or 0) > 0 or (total and used / total >= 0.05)
     state = "leased" if leases else "in use" if busy else "idle"
