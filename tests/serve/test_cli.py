@@ -143,3 +143,20 @@ def test_serve_imports_no_torch(simulate):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_ipv6_loopback_and_names(simulate):
+    from devicekit.serve.server import StatusServer, is_loopback
+
+    simulate(machine())
+    assert is_loopback("127.0.0.1") and is_loopback("127.8.9.10") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with StatusServer("::1", 0, interval=0.2) as server:
+        assert server.url.startswith("http://[::1]:") and server.loopback_only
+        with urllib.request.urlopen(server.url + "api/status", timeout=30) as response:
+            assert response.status == 200
