@@ -56,8 +56,7 @@ def render_status(report: StatusReport, *, all_processes: bool = True,
     now = time.time() if now is None else now
     parts: list[Any] = [Text(_header(report), style="bold")]
     for warning in report.warnings:
-        # one line each, never folded mid-sentence into a log file (a terminal folds it itself)
-        parts.append(Text(f"warning: {warning}", style="yellow", no_wrap=True, overflow="ignore"))
+        parts.append(Text(f"warning: {warning}", style="yellow"))
     if not report.gpus:
         if report.backend != "none":  # for "none" the warning above already says why
             parts.append(Text(f"no GPUs found (backend: {report.backend})"))
