@@ -35,8 +35,11 @@ from devicekit.hardware import inventory
 from devicekit.hardware.exclude import excluded as excluded_uuids
 from devicekit.hardware.exclude import parse_exclude
 from devicekit.hardware.gpu import GPU
+from devicekit.hardware.lease_directory import lease_dir
 from devicekit.hardware.leases import Lease, LeaseRecord, read_leases
 from devicekit.hardware.mig import leasable_devices, visible_uuids
+from devicekit.hardware.policy import parse_duration
+from devicekit.hardware.queue_turn import blocked, join_for, queued
 from devicekit.hardware.visible import ORDER_ENV, VISIBLE_ENV, torch_ordinal, visible_value
 from devicekit.hardware.waiting import WaitDisplay
 from devicekit.units import format_size, parse_percent, parse_size
@@ -59,6 +62,8 @@ class Selection:
     lease: Lease | None = None
     #: True when too few GPUs were free and ``fallback="cpu"`` gave the CPU instead
     cpu_fallback: bool = False
+    #: the queue ticket kept while a time-limited job holds the GPUs (closed on release)
+    ticket: Any = None
 
     @property
     def devices(self) -> list[torch.device]:
@@ -93,9 +98,11 @@ class Selection:
         return env
 
     def release(self) -> None:
-        """Release the lease (if any). Safe to call twice."""
+        """Release the lease (if any) and leave the queue. Safe to call twice."""
         if self.lease is not None:
             self.lease.release()
+        if self.ticket is not None:
+            self.ticket.close()
 
     def __enter__(self) -> Selection:
         return self
@@ -238,7 +245,7 @@ def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
 _RACE_RETRIES = 5
 
 
-def _attempt(request: _Request, lease: bool, command: str | None
+def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = None
              ) -> tuple[Selection | None, list[Candidate], str]:
     """One snapshot: choose, then lock the chosen devices one by one, or report why not.
 
@@ -260,6 +267,9 @@ def _attempt(request: _Request, lease: bool, command: str | None
     for attempt in range(_RACE_RETRIES):
         live = read_leases(cleanup=True)
         candidates = assess(devices, live, request, visible, note, _holder_pids(live))
+        queue = blocked(lease_dir(), devices, live, ticket)  # the fair queue's reservations
+        candidates = [Candidate(c.gpu, c.available, (*c.reasons, queue[c.gpu.uuid]), c.lasting)
+                      if c.gpu.uuid in queue and c.eligible else c for c in candidates]
         if not _choose(candidates, request):
             return None, candidates, _no_gpu_reason(gpus)
         ordered = _ordered([c for c in candidates if c.eligible], request.order)
@@ -340,7 +350,7 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
                 wait: float | None = None, lease: bool = True, fallback: str | None = None,
                 account_as_free: Iterable[str] | str = (), share: bool = False,
                 poll_interval: float = 1.0, progress: bool | None = None,
-                command: str | None = None) -> Selection:
+                command: str | None = None, time_limit: float | str | None = None) -> Selection:
     """Choose ``count`` GPUs (``"all"``: every eligible one) and lease them.
 
     ``min_free_memory``: a size (``"20GiB"``) each GPU must have free; with ``share=True`` it is
@@ -353,6 +363,10 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     a terminal when ``progress`` is None) for enough GPUs. ``lease=False``: choose without
     reserving (still skips leased GPUs). ``fallback="cpu"``: return a CPU selection instead of
     raising :class:`~devicekit.errors.NoDeviceAvailable`. ``command``: recorded in the lease.
+    Waiting takes a ticket in the fair queue (first come, first served; GPUs reserved for the
+    head; see :mod:`~devicekit.hardware.queue_order`). ``time_limit`` (``"30m"``): the job's
+    declared limit, which lets it be backfilled onto reserved GPUs; ``devicekit run --time``
+    enforces it (a caller of ``select_gpus`` promises to release the GPUs by then).
     """
     request = _make_request(count, min_free_memory, max_utilization, exclude, order,
                             account_as_free, share)
@@ -364,24 +378,34 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) \
             or not poll_interval > 0:
         raise InvalidValueError(f"poll_interval {poll_interval!r} must be a number of seconds > 0")
+    limit = parse_duration(time_limit, name="time_limit") if time_limit is not None else None
     start = time.monotonic()
     deadline = start + (wait or 0.0)
     display: WaitDisplay | None = None
+    ticket = None
     try:
         while True:
-            selection, candidates, empty = _attempt(request, lease, command)
+            selection, candidates, empty = _attempt(request, lease, command, ticket)
             if selection is not None:
-                return selection
+                return queued(selection, ticket, limit, command)
             now = time.monotonic()
             if wait is None or now >= deadline or not _waiting_helps(candidates, request):
                 break
+            if ticket is None and lease and request.count is not None and not request.share:
+                ticket = join_for(request, candidates, command, limit)
             if display is None:
                 display = WaitDisplay(request.count, wait, enabled=progress)
             display.update(candidates, deadline - now)
             time.sleep(min(poll_interval, max(deadline - now, 0.0)))
+    except BaseException:
+        if ticket is not None:
+            ticket.close()
+        raise
     finally:
         if display is not None:
             display.close()
+    if ticket is not None:
+        ticket.close()
     error = _shortfall(request, candidates, empty, wait)
     if fallback == "cpu":
         return Selection([], [*error.reasons, f"falling back to cpu: {error.summary}"], None,

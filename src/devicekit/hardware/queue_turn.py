@@ -1,0 +1,126 @@
+"""A requester's place in the fair queue: join it, learn which GPUs it may take, leave it.
+
+``select_gpus`` calls these: every request first keeps away from GPUs reserved for a waiting
+ticket (:func:`blocked` with no ticket); a waiting request (``wait=``) that cannot be served at
+once :func:`join`\\ s the queue, then on each look may take only what its ticket is granted; a
+job with a time limit keeps a ``running`` ticket for as long as it holds its GPUs
+(:func:`mark_running`), so that others may be backfilled before it ends.
+
+Usage::
+
+    from devicekit.hardware.queue_turn import blocked, join, mark_running
+
+    why = blocked(directory, devices, leases, None)        # {uuid: "reserved for ticket 3 ..."}
+    ticket = join(directory, count=2, candidates=uuids, min_free=None, max_util=None,
+                  filters="", command="python train.py", time_limit=None, grace=10.0)
+    why = blocked(directory, devices, leases, ticket)      # all but its grant, with its reason
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from devicekit.errors import NoDeviceAvailable
+from devicekit.hardware.gpu import GPU
+from devicekit.hardware.lease_directory import lease_dir
+from devicekit.hardware.lease_records import LeaseRecord, current_command
+from devicekit.hardware.policy import load_policy
+from devicekit.hardware.queue_state import look
+from devicekit.hardware.tickets import Ticket, read_tickets
+
+__all__ = ["join", "join_for", "blocked", "mark_running", "queued"]
+
+
+def join(directory: Path, *, count: int, candidates: Sequence[str], min_free: int | None,
+         max_util: float | None, filters: str, command: str, time_limit: float | None,
+         grace: float) -> Ticket:
+    """Take a ticket at the end of the queue."""
+    return Ticket.take(directory, {
+        "count": count, "candidates": list(candidates), "min_free": min_free,
+        "max_util": max_util, "filters": filters, "command": command,
+        "time_limit": time_limit, "grace": grace,
+    })
+
+
+def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
+            ticket: Ticket | None) -> dict[str, str]:
+    """Devices this requester may not take now, each with why.
+
+    Without a ticket: those reserved for (or being started by) a waiting ticket. With one: every
+    device outside its grant. Raises :class:`NoDeviceAvailable` when the ticket was cancelled.
+    """
+    if ticket is not None and ticket.cancelled():
+        raise NoDeviceAvailable(f"ticket {ticket.ticket} was cancelled ('devicekit queue cancel');"
+                                " not waiting any longer", waiting_helps=False)
+    records = read_tickets(directory)
+    if not records:
+        return {}
+    view = look(directory, devices, leases, tickets=records)
+    if ticket is None:
+        return dict(view.reserved)
+    entry = view.entry(ticket.ticket)
+    if entry is None:  # our file is unreadable to the decision: wait, never jump the queue
+        return {g.uuid: f"ticket {ticket.ticket} is not in the queue yet" for g in devices}
+    grant = set(entry.decision.grant)
+    why = entry.decision.reason or f"not granted to ticket {ticket.ticket}"
+    return {g.uuid: f"queue: ticket {ticket.ticket}: {why}" for g in devices if g.uuid not in grant}
+
+
+def mark_running(directory: Path, ticket: Ticket | None, gpus: Sequence[str], *,
+                 time_limit: float | None, grace: float, command: str, count: int) -> Ticket | None:
+    """After the GPUs are leased: keep a ``running`` ticket while a time-limited job holds them
+    (for backfill), or leave the queue. Returns the ticket to close when the GPUs go back."""
+    if time_limit is None:
+        if ticket is not None:
+            ticket.close()
+        return None
+    ends = time.monotonic() + time_limit + grace
+    running = {"state": "running", "gpus": list(gpus), "ends": ends}
+    if ticket is None:
+        return Ticket.take(directory, {"count": count, "candidates": list(gpus), "min_free": None,
+                                       "max_util": None, "filters": "", "command": command,
+                                       "time_limit": time_limit, "grace": grace, **running})
+    ticket.update(**running)
+    return ticket
+
+
+def join_for(request: Any, candidates: Sequence[Any], command: str | None,
+             limit: float | None) -> Ticket:
+    """A ticket for ``select_gpus``'s request: the GPUs it could ever use and its filters."""
+    words = []
+    if request.min_free is not None:
+        from devicekit.units import format_size
+
+        words.append(f"--min-free {format_size(request.min_free)}")
+    if request.max_util is not None:
+        words.append(f"--max-util {request.max_util:g}")
+    if request.exclude:
+        words.append(f"--exclude {','.join(request.exclude)}")
+    directory = lease_dir()
+    return join(directory, count=request.count or 1,
+                candidates=[c.gpu.uuid for c in candidates if c.possible],
+                min_free=request.min_free, max_util=request.max_util, filters=" ".join(words),
+                command=command if command is not None else current_command(),
+                time_limit=limit, grace=load_policy(directory).time_limit_grace)
+
+
+def queued(selection: Any, ticket: Ticket | None, limit: float | None, command: str | None) -> Any:
+    """Once leased: leave the queue, or keep a running ticket while a time-limited job runs."""
+    if selection.lease is None:
+        if ticket is not None:
+            ticket.close()
+        return selection
+    try:
+        directory = lease_dir()
+        selection.ticket = mark_running(
+            directory, ticket, [g.uuid for g in selection.gpus], time_limit=limit,
+            grace=load_policy(directory).time_limit_grace,
+            command=command if command is not None else current_command(),
+            count=len(selection.gpus))
+    except BaseException:
+        selection.release()
+        raise
+    return selection
