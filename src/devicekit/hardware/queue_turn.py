@@ -64,9 +64,13 @@ def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecor
     entry = view.entry(ticket.ticket)
     if entry is None:  # our file is unreadable to the decision: wait, never jump the queue
         return {g.uuid: f"ticket {ticket.ticket} is not in the queue yet" for g in devices}
-    grant = set(entry.decision.grant)
-    why = entry.decision.reason or f"not granted to ticket {ticket.ticket}"
-    return {g.uuid: f"queue: ticket {ticket.ticket}: {why}" for g in devices if g.uuid not in grant}
+    grant = entry.decision.grant
+    if grant:
+        given = ", ".join(view.labels.get(u, u) for u in grant)
+        why = f"left to the queue: ticket {ticket.ticket} was given {given}"
+    else:
+        why = f"queue: ticket {ticket.ticket} waits: {entry.decision.reason}"
+    return {g.uuid: why for g in devices if g.uuid not in grant}
 
 
 def mark_running(directory: Path, ticket: Ticket | None, gpus: Sequence[str], *,

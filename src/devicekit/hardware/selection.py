@@ -260,16 +260,15 @@ def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = 
     note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
     if not lease:
         held = read_leases()
-        candidates = assess(devices, held, request, visible, note, _holder_pids(held))
+        candidates = _queue_marks(assess(devices, held, request, visible, note, _holder_pids(held)),
+                                  blocked(lease_dir(), devices, held, ticket))
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
     for attempt in range(_RACE_RETRIES):
         live = read_leases(cleanup=True)
         candidates = assess(devices, live, request, visible, note, _holder_pids(live))
-        queue = blocked(lease_dir(), devices, live, ticket)  # the fair queue's reservations
-        candidates = [Candidate(c.gpu, c.available, (*c.reasons, queue[c.gpu.uuid]), c.lasting)
-                      if c.gpu.uuid in queue and c.eligible else c for c in candidates]
+        candidates = _queue_marks(candidates, blocked(lease_dir(), devices, live, ticket))
         if not _choose(candidates, request):
             return None, candidates, _no_gpu_reason(gpus)
         ordered = _ordered([c for c in candidates if c.eligible], request.order)
@@ -287,6 +286,12 @@ def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = 
 
         time.sleep(random.uniform(0.005, 0.03) * (attempt + 1))
     return None, candidates, ""
+
+
+def _queue_marks(candidates: list[Candidate], queue: dict[str, str]) -> list[Candidate]:
+    """Eligible devices the fair queue keeps from this requester, with why (not lasting)."""
+    return [Candidate(c.gpu, c.available, (queue[c.gpu.uuid],), c.lasting)
+            if c.gpu.uuid in queue and c.eligible else c for c in candidates]
 
 
 def _share_judge(by_uuid: dict[str, Candidate], request: _Request, visible: set[str],
@@ -391,7 +396,7 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
             now = time.monotonic()
             if wait is None or now >= deadline or not _waiting_helps(candidates, request):
                 break
-            if ticket is None and lease and request.count is not None and not request.share:
+            if ticket is None and request.count is not None and not request.share:
                 ticket = join_for(request, candidates, command, limit)
             if display is None:
                 display = WaitDisplay(request.count, wait, enabled=progress)
