@@ -64,6 +64,8 @@ def parse_duration(value: Any, *, name: str = "--time") -> float:
 
     A bare number is refused (Slurm reads it as minutes, most tools as seconds): say which.
     """
+    bare = False
+    seconds = 0.0
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
@@ -79,11 +81,14 @@ def parse_duration(value: Any, *, name: str = "--time") -> float:
             elif text[-1:] in _UNITS:
                 seconds = float(text[:-1]) * _UNITS[text[-1]]
             else:
-                float(text)
-                raise InvalidValueError(f"{name} {value!r} needs a unit: {text}s, {text}m or {text}h")
+                float(text)  # a bare number: said below, with the units to choose
+                bare = True
         except (ValueError, IndexError):
             raise InvalidValueError(f"{name} {value!r} is not a duration like 90s, 30m, 2h or"
                                     " 1:30:00") from None
+    if bare:
+        text = str(value).strip()
+        raise InvalidValueError(f"{name} {value!r} needs a unit: {text}s, {text}m or {text}h")
     if not seconds > 0 or seconds != seconds or seconds == float("inf"):
         raise InvalidValueError(f"{name} {value!r} must be a duration > 0")
     return seconds

@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +26,9 @@ from typing import Any
 
 from devicekit.errors import NoDeviceAvailable
 from devicekit.hardware.gpu import GPU
-from devicekit.hardware.lease_directory import lease_dir
+from devicekit.hardware.lease_directory import lease_dir, user_name
 from devicekit.hardware.lease_records import LeaseRecord, current_command
-from devicekit.hardware.policy import load_policy
+from devicekit.hardware.policy import Policy, load_policy
 from devicekit.hardware.queue_state import look
 from devicekit.hardware.tickets import Ticket, read_tickets
 
@@ -46,19 +47,25 @@ def join(directory: Path, *, count: int, candidates: Sequence[str], min_free: in
 
 
 def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
-            ticket: Ticket | None) -> dict[str, str]:
-    """Devices this requester may not take now, each with why.
+            ticket: Ticket | None, count: int | None = None) -> dict[str, str]:
+    """Devices this requester (asking ``count`` GPUs) may not take now, each with why.
 
-    Without a ticket: those reserved for (or being started by) a waiting ticket. With one: every
-    device outside its grant. Raises :class:`NoDeviceAvailable` when the ticket was cancelled.
+    Without a ticket: every device when the policy's quota forbids ``count`` more, else those
+    reserved for (or being started by) a waiting ticket. With one: every device outside its
+    grant. Raises :class:`NoDeviceAvailable` when the ticket was cancelled.
     """
     if ticket is not None and ticket.cancelled():
         raise NoDeviceAvailable(f"ticket {ticket.ticket} was cancelled ('devicekit queue cancel');"
                                 " not waiting any longer", waiting_helps=False)
+    policy = load_policy(directory)
+    if ticket is None:
+        over = _over_quota(policy, leases, count)
+        if over:
+            return {g.uuid: over for g in devices}
     records = read_tickets(directory)
     if not records:
         return {}
-    view = look(directory, devices, leases, tickets=records)
+    view = look(directory, devices, leases, tickets=records, policy=policy)
     if ticket is None:
         return dict(view.reserved)
     entry = view.entry(ticket.ticket)
@@ -71,6 +78,18 @@ def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecor
     else:
         why = f"queue: ticket {ticket.ticket} waits: {entry.decision.reason}"
     return {g.uuid: why for g in devices if g.uuid not in grant}
+
+
+def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None) -> str:
+    """The ``Quota`` reason when this user may not take ``count`` more GPUs ("" when it may)."""
+    me = user_name(os.geteuid())
+    limit = policy.user_limits.get(me, policy.max_gpus_per_user)
+    if limit is None:
+        return ""
+    using = len({r.gpu_uuid for r in leases if r.user == me})
+    if using + (count or 1) <= limit:
+        return ""
+    return f"Quota: {me} uses {using} of {limit} GPU(s), asks {count or 1}"
 
 
 def mark_running(directory: Path, ticket: Ticket | None, gpus: Sequence[str], *,

@@ -261,14 +261,14 @@ def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = 
     if not lease:
         held = read_leases()
         candidates = _queue_marks(assess(devices, held, request, visible, note, _holder_pids(held)),
-                                  blocked(lease_dir(), devices, held, ticket))
+                                  blocked(lease_dir(), devices, held, ticket, request.count))
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
     for attempt in range(_RACE_RETRIES):
         live = read_leases(cleanup=True)
         candidates = assess(devices, live, request, visible, note, _holder_pids(live))
-        candidates = _queue_marks(candidates, blocked(lease_dir(), devices, live, ticket))
+        candidates = _queue_marks(candidates, blocked(lease_dir(), devices, live, ticket, request.count))
         if not _choose(candidates, request):
             return None, candidates, _no_gpu_reason(gpus)
         ordered = _ordered([c for c in candidates if c.eligible], request.order)
