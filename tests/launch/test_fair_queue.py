@@ -178,14 +178,19 @@ def test_quota_from_policy_keeps_a_job_waiting(two_gpus: Path, jobs: Jobs, holde
     policy.write_text("max_gpus_per_user = 1\n")
     policy.chmod(0o644)
     blocker = holder(1)
-    over = jobs.run("--gpus", "1", "--wait", "4", "--", "true")
+    over = jobs.run("--gpus", "1", "--wait", "60", "--", "true")
     ticket_of(over.pid)
     doc = json.loads(jobs.cli("queue", "--json").stdout)
     (entry,) = doc["waiting"]
     assert entry["reason"] == f"Quota: {getpass.getuser()} uses 1 of 1 GPU(s), asks 1"
     assert doc["policy"]["max_gpus_per_user"] == 1
+    status = jobs.cli("status", "--json")
+    (queued,) = json.loads(status.stdout)["queue"]  # status shows the queue too
+    assert queued["ticket"] == entry["ticket"] and queued["reason"].startswith("Quota: ")
+    assert f"queue: ticket {entry['ticket']}" in jobs.cli("status").stdout
+    assert jobs.cli("queue", "cancel", entry["ticket"]).returncode == 0
     _, err = over.communicate(timeout=60)
-    assert over.returncode == 3 and "Quota" in err
+    assert over.returncode == 3 and "cancelled" in err
     stop(blocker)
 
 

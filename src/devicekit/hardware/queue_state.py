@@ -30,7 +30,7 @@ from devicekit.hardware.queue_order import Busy, Decision, Waiting, decide
 from devicekit.hardware.tickets import TicketRecord, read_tickets
 from devicekit.units import format_size
 
-__all__ = ["QueueEntry", "QueueView", "look", "QUEUE_SCHEMA"]
+__all__ = ["QueueEntry", "QueueView", "look", "waiting_entries", "QUEUE_SCHEMA"]
 
 #: version of the ``devicekit queue --json`` document (fields only added within one number)
 QUEUE_SCHEMA = 1
@@ -120,6 +120,15 @@ def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
             reserved[u] = (f"reserved for ticket {e.record.ticket} ({e.record.user},"
                            f" {e.record.count} GPU(s), starting)")
     return QueueView(entries, tuple(running), policy, labels, reserved)
+
+
+def waiting_entries(gpus: Sequence[GPU], leases: Sequence[LeaseRecord]) -> list[dict[str, Any]]:
+    """The waiting tickets of the configured lease directory as ``devicekit status`` shows them."""
+    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.hardware.mig import leasable_devices
+
+    directory = lease_dir()
+    return [e.to_dict() for e in look(directory, leasable_devices(gpus), leases).waiting]
 
 
 def _waiting(t: TicketRecord, by_uuid: dict[str, GPU], busy: dict[str, Busy],

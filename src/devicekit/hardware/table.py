@@ -66,6 +66,10 @@ def render_status(report: StatusReport, *, all_processes: bool = True,
             parts.append(_process_table(report))
     if report.leases:
         parts.append(_lease_table(report, now))
+    for entry in report.queue:  # the fair queue (devicekit queue has the details)
+        reserved = f", reserved {','.join(entry['reserved'])}" if entry["reserved"] else ""
+        parts.append(Text(f"queue: ticket {entry['ticket']} {entry['user']} asks"
+                          f" {entry['gpus_asked']} GPU(s){reserved}: {entry['reason']}"))
     return Group(*parts)
 
 
