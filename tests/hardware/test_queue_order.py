@@ -75,3 +75,12 @@ def test_filter_reason_when_too_few_gpus_pass() -> None:
     w = Waiting("1", "alice", 2, frozenset(G[:1]), filter_note="no 2 GPU(s) with 40GiB free")
     (d,) = decide([w], G, {}, now=0.0)
     assert d.reason == "Filter: no 2 GPU(s) with 40GiB free" and d.grant == ()
+
+
+def test_a_holder_without_limit_does_not_stop_backfill_when_the_head_needs_limited_ones_too() -> None:
+    head = Waiting("1", "alice", 4, ALL)
+    short = Waiting("2", "bob", 1, ALL, time_limit=60.0)
+    held = {**busy(G[0], G[1], ends=7200.0), **busy(G[2])}   # 0,1 free at 2 h; 2 any moment
+    d = decide([head, short], G, held, now=0.0)
+    assert d[0].reserved == (G[3],) and d[0].could_start == 7200.0
+    assert d[1].grant == (G[3],) and d[1].backfill

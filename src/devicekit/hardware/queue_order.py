@@ -147,18 +147,14 @@ def _held_per_user(busy: Mapping[str, Busy]) -> dict[str, int]:
 
 
 def _earliest_start(w: Waiting, have: int, busy: Mapping[str, Busy], now: float) -> float | None:
-    """When ``w`` could start at the earliest: GPUs without a known end may free at once (None)."""
-    ends = sorted((b.ends for u, b in busy.items() if u in w.usable),
-                  key=lambda e: -1.0 if e is None else e)
+    """When ``w`` could start at the earliest (None: at any moment): the time its ``need``-th
+    busy GPU frees, where a GPU without a known end (no time limit) may free at once."""
+    ends = sorted(now if b.ends is None else b.ends for u, b in busy.items() if u in w.usable)
     need = w.count - have
-    if need <= 0:
-        return now
-    if len(ends) < need:  # it also needs GPUs an earlier ticket holds: not known, so at once
+    if need <= 0 or len(ends) < need:  # short of GPUs an earlier ticket holds: not known
         return None
-    end = ends[need - 1]
-    if any(e is None for e in ends[:need]):
-        return None
-    return max(end, now) if end is not None else None
+    start = ends[need - 1]
+    return start if start > now else None
 
 
 def _reason(w: Waiting, mine: list[str], free: list[str], claimed: Mapping[str, str],

@@ -86,6 +86,11 @@ def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None
     limit = policy.user_limits.get(me, policy.max_gpus_per_user)
     if limit is None:
         return ""
+    if (count or 1) > limit:
+        raise NoDeviceAvailable(
+            f"need {count or 1} GPU(s) but the queue policy lets {me} hold {limit} at most;"
+            " waiting cannot help", [f"Quota: {me} may hold {limit} GPU(s)"], waiting_helps=False,
+            hint="ask for fewer GPUs or ask the admin (policy.toml in the lease directory)")
     using = len({r.gpu_uuid for r in leases if r.user == me})
     if using + (count or 1) <= limit:
         return ""
