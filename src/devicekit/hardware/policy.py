@@ -11,6 +11,8 @@ anyone's). Otherwise, or when malformed, the queue runs without a policy and ``n
     max_gpus_per_user = 2          # GPUs one user may hold at once (held + asked)
     default_time_limit = "4h"      # for jobs that declare none (run --time); enforced by run
     time_limit_grace = "30s"       # between SIGTERM and SIGKILL at a time limit
+    fair_share_half_life = "7d"    # order by recent GPU-hours, decayed (off when absent)
+    fair_share_weight = 10         # priority points a user without recent usage gets
 
     [users.alice]
     max_gpus = 4                   # alice's own quota
@@ -55,6 +57,9 @@ class Policy:
     user_limits: dict[str, int] = field(default_factory=dict)
     #: user -> priority (higher first)
     priorities: dict[str, float] = field(default_factory=dict)
+    #: seconds; fair share is on when set (see :mod:`~devicekit.hardware.fair_share`)
+    fair_share_half_life: float | None = None
+    fair_share_weight: float = 10.0
     note: str = ""
     path: str = ""
 
@@ -131,7 +136,8 @@ def _parse(text: str, path: str) -> Policy:
         import tomli as tomllib  # type: ignore[no-redef]
 
     data = tomllib.loads(text)
-    known = {"max_gpus_per_user", "default_time_limit", "time_limit_grace", "users"}
+    known = {"max_gpus_per_user", "default_time_limit", "time_limit_grace", "users",
+             "fair_share_half_life", "fair_share_weight"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -153,11 +159,18 @@ def _parse(text: str, path: str) -> Policy:
     quota = data.get("max_gpus_per_user")
     limit = data.get("default_time_limit")
     grace = data.get("time_limit_grace")
+    half_life = data.get("fair_share_half_life")
+    weight = data.get("fair_share_weight", 10.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+        raise ValueError(f"fair_share_weight {weight!r} must be a number >= 0")
     return Policy(
         max_gpus_per_user=_count(quota, "max_gpus_per_user") if quota is not None else None,
         default_time_limit=parse_duration(limit, name="default_time_limit") if limit is not None else None,
         time_limit_grace=parse_duration(grace, name="time_limit_grace") if grace is not None else DEFAULT_GRACE,
         user_limits=limits, priorities=priorities, path=path,
+        fair_share_half_life=(parse_duration(half_life, name="fair_share_half_life")
+                              if half_life is not None else None),
+        fair_share_weight=float(weight),
     )
 
 

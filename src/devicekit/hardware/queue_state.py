@@ -105,7 +105,13 @@ def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
         if lease.gpu_uuid not in busy:
             busy[lease.gpu_uuid] = Busy(lease.describe(), lease.user, ends.get(lease.gpu_uuid))
     by_uuid = {g.uuid: g for g in devices}
-    queued = [_waiting(t, by_uuid, busy, policy) for t in waiting]
+    bonus: dict[str, float] = {}
+    if policy.fair_share_half_life is not None:  # light recent users first
+        from devicekit.hardware.fair_share import factors
+
+        shares = factors(directory, {t.user for t in waiting}, policy.fair_share_half_life)
+        bonus = {u: policy.fair_share_weight * f for u, f in shares.items()}
+    queued = [_waiting(t, by_uuid, busy, policy, bonus.get(t.user, 0.0)) for t in waiting]
     decisions = decide(queued, [g.uuid for g in devices], busy, now,
                        max_gpus_per_user=policy.max_gpus_per_user,
                        user_limits=policy.user_limits, labels=labels)
@@ -132,7 +138,7 @@ def waiting_entries(gpus: Sequence[GPU], leases: Sequence[LeaseRecord]) -> list[
 
 
 def _waiting(t: TicketRecord, by_uuid: dict[str, GPU], busy: dict[str, Busy],
-             policy: Policy) -> Waiting:
+             policy: Policy, bonus: float = 0.0) -> Waiting:
     """The ticket's usable GPUs: its candidates, and the free ones passing its memory/load filters."""
     usable = set()
     short: list[str] = []
@@ -154,4 +160,4 @@ def _waiting(t: TicketRecord, by_uuid: dict[str, GPU], busy: dict[str, Busy],
     limit = t.time_limit
     return Waiting(t.ticket, t.user, t.count, frozenset(usable),
                    None if limit is None else limit + t.grace,
-                   policy.priorities.get(t.user, 0.0), note)
+                   policy.priorities.get(t.user, 0.0) + bonus, note)

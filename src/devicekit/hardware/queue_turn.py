@@ -80,6 +80,30 @@ def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecor
     return {g.uuid: why for g in devices if g.uuid not in grant}
 
 
+class Hold:
+    """What a leased selection keeps for the queue: its running ticket (a time-limited job) and
+    the start of its GPU-hours, added to its user's fair-share usage when it closes."""
+
+    def __init__(self, directory: Path, ticket: Ticket | None, gpus: int,
+                 half_life: float | None) -> None:
+        self.directory, self.ticket, self.gpus, self.half_life = directory, ticket, gpus, half_life
+        self.started = time.monotonic()
+        self._pid = os.getpid()
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed or os.getpid() != self._pid:
+            return
+        self.closed = True
+        if self.ticket is not None:
+            self.ticket.close()
+        if self.half_life is not None:
+            from devicekit.hardware.fair_share import record_usage
+
+            hours = self.gpus * (time.monotonic() - self.started) / 3600
+            record_usage(self.directory, hours, self.half_life)
+
+
 def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None) -> str:
     """The ``Quota`` reason when this user may not take ``count`` more GPUs ("" when it may)."""
     me = user_name(os.geteuid())
@@ -143,11 +167,15 @@ def queued(selection: Any, ticket: Ticket | None, limit: float | None, command: 
         return selection
     try:
         directory = lease_dir()
-        selection.ticket = mark_running(
+        policy = load_policy(directory)
+        running = mark_running(
             directory, ticket, [g.uuid for g in selection.gpus], time_limit=limit,
-            grace=load_policy(directory).time_limit_grace,
+            grace=policy.time_limit_grace,
             command=command if command is not None else current_command(),
             count=len(selection.gpus))
+        if running is not None or policy.fair_share_half_life is not None:
+            selection.ticket = Hold(directory, running, len(selection.gpus),
+                                    policy.fair_share_half_life)
     except BaseException:
         selection.release()
         raise
