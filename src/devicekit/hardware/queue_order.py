@@ -129,7 +129,7 @@ def decide(waiting: Sequence[Waiting], gpus: Sequence[str], busy: Mapping[str, B
         start = _earliest_start(w, len(mine), busy, now)
         shadow[w.ticket] = start
         out.append(Decision(w.ticket, reserved=tuple(mine),
-                            reason=_reason(w, mine, free, claimed, taken, busy, label),
+                            reason=_reason(w, mine, gpus, free, claimed, taken, busy, label),
                             could_start=start))
     return out
 
@@ -157,13 +157,14 @@ def _earliest_start(w: Waiting, have: int, busy: Mapping[str, Busy], now: float)
     return start if start > now else None
 
 
-def _reason(w: Waiting, mine: list[str], free: list[str], claimed: Mapping[str, str],
+def _reason(w: Waiting, mine: list[str], gpus: Sequence[str], free: list[str],
+            claimed: Mapping[str, str],
             taken: set[str], busy: Mapping[str, Busy], name: Callable[[str], str]) -> str:
     blocked = [u for u in free if u in w.usable and u not in mine and u in claimed]
     if blocked:
         others = sorted({claimed[u] for u in blocked}, key=lambda t: (len(t), t))
         return f"Reserved for {', '.join(others)}: {', '.join(name(u) for u in blocked)}"
-    held = [u for u in w.usable if u in busy]
+    held = [u for u in gpus if u in w.usable and u in busy]  # in GPU order: a stable reason
     have = f" (holds {len(mine)} of {w.count})" if mine else ""
     grabbed = [u for u in free if u in w.usable and u in taken]
     if held:

@@ -62,7 +62,8 @@ class Selection:
     lease: Lease | None = None
     #: True when too few GPUs were free and ``fallback="cpu"`` gave the CPU instead
     cpu_fallback: bool = False
-    #: the queue ticket kept while a time-limited job holds the GPUs (closed on release)
+    #: the fair queue's hold (a time-limited job's running ticket, fair-share bookkeeping),
+    #: closed on release
     ticket: Any = None
 
     @property

@@ -153,7 +153,8 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
     queue: tuple[dict[str, Any], ...] = ()
-    if include_leases and leases is not None and _lease_dir_exists():
+    if include_leases and not any(w.startswith("leases not shown") for w in warnings) \
+            and _lease_dir_exists():
         from devicekit.hardware.queue_state import waiting_entries
 
         try:  # the fair queue: waiting tickets, their reserved GPUs and reasons
