@@ -119,7 +119,11 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
 @max_util_option
 @exclude_option
 @click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS", default=None,
-              help="Queue behind busy GPUs for up to this long (with progress).")
+              help="Queue behind busy GPUs for up to this long: a ticket in the fair queue"
+                   " (first come, first served; see 'devicekit queue').")
+@click.option("--time", "time_limit", metavar="DURATION", default=None,
+              help="Time limit (90s, 30m, 2h, 1:30:00): SIGTERM then, SIGKILL after a grace"
+                   " period; lets a queued job be backfilled onto GPUs reserved for a bigger one.")
 @click.option("--nnodes", metavar="N|MIN:MAX", default=None,
               help="Machines taking part (run the same command on each); default 1, or what the"
                    " launcher devicekit run runs under says.")
@@ -148,7 +152,8 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_proc: int | None,
             min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
-            wait: float | None, command: tuple[str, ...], dry_run: bool, **node: Any) -> int:
+            wait: float | None, command: tuple[str, ...], dry_run: bool, time_limit: str | None,
+            **node: Any) -> int:
     """Lease GPUs, set CUDA_VISIBLE_DEVICES and run COMMAND until it exits.
 
     One process runs COMMAND directly; several processes or nodes run it under torchrun.
@@ -167,7 +172,7 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     request = RunRequest(
         command=list(command), gpus=count, procs=n, gpus_per_proc=gpus_per_proc,
         min_free_memory=min_free, wait=wait, gpu_ids=ids, exclude=parse_exclude(exclude),
-        max_utilization=parse_max_util(max_util), **node,
+        max_utilization=parse_max_util(max_util), time_limit=time_limit, **node,
     )
     def echo(line: str) -> None:
         click.echo(f"devicekit run: {line}", err=True)

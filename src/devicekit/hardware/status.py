@@ -48,6 +48,8 @@ class StatusReport:
     #: problems that did not stop the report (e.g. an unreadable lease directory)
     warnings: tuple[str, ...] = ()
     taken_at: float = field(default_factory=time.time)
+    #: the fair queue's waiting tickets (``devicekit queue --json``'s entries), in queue order
+    queue: tuple[dict[str, Any], ...] = ()
 
     def leases_for(self, gpu: GPU) -> list[LeaseRecord]:
         """Live leases on ``gpu`` (its own UUID or one of its MIG instances)."""
@@ -80,6 +82,7 @@ class StatusReport:
             "gpus": gpus,
             "other_leases": [_lease_dict(r) for r in orphans],
             "warnings": list(self.warnings),
+            **({"queue": list(self.queue)} if self.queue else {}),  # only while tickets wait
         }
 
 
@@ -149,6 +152,15 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
             leases = tuple(read_leases())
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
+    queue: tuple[dict[str, Any], ...] = ()
+    if include_leases and not any(w.startswith("leases not shown") for w in warnings) \
+            and _lease_dir_exists():
+        from devicekit.hardware.queue_state import waiting_entries
+
+        try:  # the fair queue: waiting tickets, their reserved GPUs and reasons
+            queue = tuple(waiting_entries(gpus, leases))
+        except LeaseError as exc:
+            warnings.append(f"queue not shown: {exc}")
     return StatusReport(
         host=host(),
         backend=source.name,
@@ -157,4 +169,5 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         gpus=gpus,
         leases=leases,
         warnings=tuple(warnings),
+        queue=queue,
     )

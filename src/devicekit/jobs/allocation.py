@@ -94,13 +94,15 @@ def allocate(
     gpu_ids: Sequence[str | int] | None = None,
     exclude: Sequence[str | int] = (),
     max_utilization: float | str | None = None,
+    time_limit: float | None = None,
 ) -> Allocation:
     """Decide the processes and lease their GPUs.
 
     ``gpus``: a count, ``"all"`` (every GPU that passes the filters) or None (not asked).
     ``gpu_ids``: exactly these GPUs (indices or UUIDs), rank 0 on the first; all of them must
     pass the filters or nothing is leased. ``exclude`` and ``max_utilization`` filter as in
-    :func:`~devicekit.hardware.selection.select_gpus`.
+    :func:`~devicekit.hardware.selection.select_gpus`; ``time_limit`` (seconds) is the job's
+    declared limit, for the queue's backfill.
     ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
     ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
     GPU and ``gpus`` not given, ``procs`` (default 1) CPU processes; ``gpus`` given but no GPU
@@ -193,7 +195,7 @@ def allocate(
                 f" (--gpus {','.join(str(g.index) for g in present)}) or set --max-util/--min-free",
                 lines, waiting_helps=False)
     filters = {"min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
-               "max_utilization": max_utilization,
+               "max_utilization": max_utilization, "time_limit": time_limit,
                "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids),
                            *(g.uuid for g, _ in busy)]}
     if ids:

@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from devicekit.jobs.allocation import Allocation
 
@@ -49,6 +50,9 @@ class RunRequest:
     standalone: bool = False
     max_restarts: int | None = None
     log_dir: str | None = None
+    #: the job's time limit (``"30m"``, seconds), enforced with SIGTERM then SIGKILL; None: the
+    #: queue policy's default_time_limit, if any
+    time_limit: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.nnodes is not None:
@@ -79,6 +83,8 @@ class RunPlan:
     env: dict[str, str]
     allocation: Allocation
     notes: list[str]
+    #: a :class:`~devicekit.jobs.time_limit.TimeLimit` to enforce, or None
+    time_limit: Any = None
 
     @property
     def distributed(self) -> bool:

@@ -32,6 +32,7 @@ from devicekit.jobs.request import TORCHRUN_ENTRY, RunPlan, RunRequest
 from devicekit.jobs.run_world import World, asked_procs, resolve_world
 from devicekit.jobs.supervise import execute
 from devicekit.jobs.threads import omp_threads, usable_cores
+from devicekit.jobs.time_limit import declared_limit, enforced_limit
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments import DistEnv
 from devicekit.parallel.environments.base import DEFAULT_PORT
@@ -52,6 +53,7 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
     environ = dict(os.environ if environ is None else environ)
     world = resolve_world(request, environ)  # before any lease: a typo must not wait for it
     gpus, procs = _counts(request, world)
+    limit = declared_limit(request.time_limit)
     allocation = allocate(
         gpus,
         procs,
@@ -62,10 +64,13 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         gpu_ids=request.gpu_ids or None,
         exclude=request.exclude,
         max_utilization=request.max_utilization,
+        time_limit=limit,
     )
     try:
         _check_torch_can_use(allocation)
-        return _build(request, world, allocation, environ)
+        plan = _build(request, world, allocation, environ)
+        plan.time_limit = enforced_limit(limit, plan, allocation.on_gpu)
+        return plan
     except BaseException:
         allocation.release()
         raise
@@ -174,7 +179,10 @@ def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
     try:
         for line in plan.notes:
             echo(line)
-        return execute(plan)
+        code = execute(plan)
+        if plan.time_limit is not None and plan.time_limit.reached:
+            echo(plan.time_limit.message())
+        return code
     finally:
         plan.allocation.release()
 

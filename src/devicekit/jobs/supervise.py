@@ -65,6 +65,9 @@ def execute(plan: RunPlan) -> int:
     # process group, so remember the child's descendants to stop any it leaves behind
     family = _Descendants(child.pid)
     ticks = 0
+    limit = plan.time_limit
+    if limit is not None:
+        limit.start()
     with _terminal_given_to(child.pid), _handlers(forward):
         while True:
             try:
@@ -74,12 +77,16 @@ def execute(plan: RunPlan) -> int:
                 ticks += 1
                 if ticks % 5 == 1:
                     family.update()
+                if limit is not None:  # run --time: SIGTERM at the limit, SIGKILL after grace
+                    limit.check(child.pid)
                 if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
     _reap_group(child.pid)
     family.stop_survivors()
+    if limit is not None and limit.reached:
+        return limit.exit_code(code)
     if code < 0:
         return 128 - code
     if signals and code != 0 and plan.distributed:
