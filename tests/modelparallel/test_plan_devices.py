@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import devicekit as dk
+from devicekit.modelparallel.layer_plan import build_plan
 from devicekit.modelparallel.layer_profile import sequential_layers
-from devicekit.modelparallel.split import build_plan
 from devicekit.units import parse_size
 from tests.conftest import h100
 

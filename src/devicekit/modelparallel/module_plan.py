@@ -1,10 +1,11 @@
-"""``dk.plan_devices`` for any ``nn.Module``: its units within memory budgets, opened where too big.
+"""``dk.plan_devices`` for any ``nn.Module`` (``nn.Sequential`` too): its units within budgets, opened where too big.
 
 The units of the model (see :mod:`~devicekit.modelparallel.module_units`) are measured on the
-sample (on the meta device if the model lives there: no real memory) and handed to the same
-fitting as a Sequential's layers. A unit bigger than every device's budget is opened into its
+sample (on the meta device if the model lives there: no real memory), tied units grouped
+(:mod:`~devicekit.modelparallel.unit_plan`), and the groups handed to the budget fitting
+(:mod:`~devicekit.modelparallel.budget_fit`). A unit bigger than every device's budget is opened into its
 submodules and the model is measured again; a unit that cannot be opened (no submodules) and
-fits nowhere is refused, naming it and the ways out.
+fits nowhere is refused, naming it, the tie that holds it to other units, and the ways out.
 
 Usage::
 

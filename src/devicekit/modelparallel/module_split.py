@@ -1,14 +1,14 @@
-"""Split any ``nn.Module`` over devices at submodule boundaries (what ``dk.split`` does for non-Sequential models).
+"""Place any ``nn.Module`` over devices at submodule boundaries: what ``dk.split`` does, for every model.
 
 The seeds' hand-written version (``self.sub_network1.cuda(0)``, ``x = x.cuda(1)`` in
 ``forward``), done for a model as it is: its units (submodules; see
 :mod:`~devicekit.modelparallel.module_units`) are found in the order they run on ``sample``,
-cut into consecutive balanced groups (the same ``balance`` options and printable
-:class:`~devicekit.modelparallel.partition.Plan` as an ``nn.Sequential``), and each unit is
-moved to its device. A hook moves each unit's inputs to its device; outputs stay where they are
+cut into balanced groups in run order (:mod:`~devicekit.modelparallel.unit_plan`; an
+``nn.Sequential``'s units are its layers), and each unit is moved to its device. A hook moves each unit's inputs to its device; outputs stay where they are
 produced, so autograd carries gradients back; ops in a parent's own ``forward`` that meet
 tensors from two devices are handled by :mod:`~devicekit.modelparallel.device_flow`. Units that
-share parameters (tied embeddings) stay on one device, and the plan says where.
+share parameters (tied embeddings) stay on one device even when other units run between them
+(the device map need not be consecutive), and the plan says where.
 
 Usage::
 

@@ -2,8 +2,9 @@
 
 Given budgets per device (or, by default, the free memory the inventory reports minus a
 headroom, plus the host's available RAM), :func:`plan_devices` picks the fewest GPUs whose
-budgets hold the model, balances the layers over them, and offloads the tail to the CPU only
-when the GPUs cannot hold it all. Unlike accelerate's ``infer_auto_device_map`` it:
+budgets hold the model, balances its units over them (an ``nn.Sequential``'s layers, any other
+module's submodules; tied units together, wherever they are), and offloads the tail to the CPU
+only when the GPUs cannot hold it all. Unlike accelerate's ``infer_auto_device_map`` it:
 
 * leaves ``headroom`` (10 % of each GPU by default) instead of filling GPUs to the brim;
 * works with any device ids (GPUs 1 and 3), never assuming the first GPU is ``cuda:0``;

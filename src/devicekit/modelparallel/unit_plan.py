@@ -202,7 +202,8 @@ def plan_module(
                            "registered; pass sample=<a batch> to run them in the order they run")
     else:
         counts = check_counts(balance, len(sequence), len(devices), what="unit")
-    reasons.append(f"{len(sequence)} units (submodules, in the order they run; tied units join the first one) "
+    joined = "; tied units join the first one" if len(sequence) < len(measured.units) else ""
+    reasons.append(f"{len(sequence)} units (submodules, in the order they run{joined}) "
                    f"cut into {len(devices)} parts: {counts}")
     plan = plan_from_counts(sequence, costs, devices, counts, basis=balance if isinstance(balance, str) else "given",
                             optimizer=factor, reasons=reasons)
