@@ -157,7 +157,7 @@ def test_a_pipeline_states_what_it_needs_and_refuses_the_non_consecutive_map() -
     assert "after layer 'layer2' on cuda:1" in message and "each part must be consecutive layers" in message
     with pytest.raises(dk.SplitError) as err:  # devices for the pipeline: the tie spans the chain
         dk.Pipeline(seq, ["meta", "cpu"], chunks=2)
-    assert "'layer1.linear2.weight' = 'layer3.linear2.weight' is one tensor (tied)" in str(err.value)
+    assert "'layer1.linear2.weight' is shared (tied) with 'layer3.linear2.weight'" in str(err.value)
     assert "used by layers 'layer1', 'layer3'" in str(err.value)
     opened = dk.plan_devices(tie(blocks(), "layer2.linear2=layer1.linear2", "layer3.linear2=layer1.linear2"),
                              BUDGETS, training=False)
@@ -194,3 +194,26 @@ def test_the_planned_map_trains_like_the_unsplit_model(spelling: str) -> None:
         torch.testing.assert_close(got, want, msg=name)
     for got, want in zip(model.buffers(), ref.buffers(), strict=True):  # BatchNorm running stats
         torch.testing.assert_close(got, want)
+
+
+def test_a_pipeline_takes_a_plan_whose_parts_are_consecutive() -> None:
+    """A tie between neighbours, or a layer listed again next to itself, keeps the parts
+    consecutive: the pipeline re-reads the plan in layer order and runs it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4), lin, lin, nn.Tanh(), nn.Linear(4, 4))
+    model[0].weight = model[1].weight  # a tie between neighbours 0 and 1; 1 and 2 are one object
+    plan = dk.plan_devices(model, {"cpu": "1GiB"}, sample=torch.randn(2, 4))
+    assert plan.counts == [3] and plan.parts[0].tied_names == ("1",)  # groups: 0+1, 3, 4
+    x = torch.randn(6, 4)
+    want = model(x)
+    with dk.Pipeline(model, plan, chunks=2) as pipe:
+        assert pipe.plan.counts == [5]  # the chain's five layers, layer 2 again with layer 1
+        torch.testing.assert_close(pipe(x), want)
+    lin2 = nn.Linear(4, 4)
+    repeated = nn.Sequential(lin2, nn.ReLU(), lin2)
+    split = dk.split(repeated, ["cpu", "cpu"])  # '2' is '0': one unit, on part 0; '1' on part 1
+    split_plan = split.plan
+    split.unsplit()
+    with pytest.raises(dk.SplitError, match="layer '2' on cpu with '0' \\(the same module\\)"):
+        dk.Pipeline(repeated, split_plan, chunks=2)

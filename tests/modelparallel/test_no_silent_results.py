@@ -102,7 +102,7 @@ def test_b_tied_parameters_across_devices_stay_together_and_a_pipeline_names_the
         with pytest.raises(dk.SplitError) as err:
             dk.Pipeline(tied_model(), ["cpu", "meta"], chunks=2, balance=balance)  # type: ignore[arg-type]
         message = str(err.value)
-        assert "parameter '0.table.weight' = '3.table.weight' is one tensor (tied), used by layers '0', '3'" in message
+        assert "parameter '0.table.weight' is shared (tied) with '3.table.weight', used by layers '0', '3'" in message
         assert "\n" not in message
 
 

@@ -144,6 +144,12 @@ def consecutive_plan(layers: Sequence[tuple[str, nn.Module]], plan: Plan) -> Pla
     other names (a traced chain's stages) is taken by its counts."""
     names = [name for name, _ in layers]
     owner = {name: p.index for p in plan.parts for name in (*p.layer_names, *p.tied_names)}
+    placed = {id(module): name for name, module in layers if name in owner}
+    same: dict[str, str] = {}  # a layer object listed again runs where it was placed
+    for name, module in layers:
+        if name not in owner and id(module) in placed:
+            same[name] = placed[id(module)]
+            owner[name] = owner[placed[id(module)]]
     missing = [name for name in names if name not in owner]
     if missing:
         inside = [n for n in owner if n.startswith(f"{missing[0]}.")]
@@ -162,7 +168,8 @@ def consecutive_plan(layers: Sequence[tuple[str, nn.Module]], plan: Plan) -> Pla
             later, earlier = plan.parts[order[i - 1]], plan.parts[order[i]]
             held = next((n for n in names[:i] if owner[n] == order[i]), names[i])
             raise SplitError(
-                f"the plan puts layer {names[i]!r} on {earlier.device} with {held!r} ({_tie_of(plan, names[i])}), "
+                f"the plan puts layer {names[i]!r} on {earlier.device} with {held!r} "
+                f"({'the same module' if names[i] in same else _tie_of(plan, names[i])}), "
                 f"after layer {names[i - 1]!r} on {later.device}; a pipeline runs its parts one after another, "
                 "so each part must be consecutive layers: use dk.split(model, plan), which runs any device "
                 "map, or untie the layers"

@@ -65,10 +65,10 @@ def find_spans(layers: Sequence[tuple[str, nn.Module]]) -> list[Span]:
         positions = sorted({i for i, _ in uses})
         if len(positions) > 1:
             kind, _, first = uses[0][1].partition(" ")
-            tied = " = ".join(label.partition(" ")[2] for _, label in uses)
+            others = ", ".join(label.partition(" ")[2] for _, label in uses[1:])
             layers_named = ", ".join(f"'{names[p]}'" for p in positions)
             spans.setdefault((positions[0], positions[-1]),
-                             f"{kind} {tied} is one tensor (tied), used by layers {layers_named}")
+                             f"{kind} {first} is shared (tied) with {others}, used by layers {layers_named}")
     return [Span(first, last, what) for (first, last), what in sorted(spans.items())]
 
 
