@@ -170,16 +170,24 @@ def on_cpu(plan: dk.Plan) -> dk.Plan:
     return replace(plan, parts=[replace(p, device=torch.device("cpu")) for p in plan.parts])
 
 
+THREE_TIED = ("layer3.linear2=layer1.linear2", "layer2.linear2=layer1.linear2")
+
+
+@pytest.mark.parametrize("ties", [THREE_TIED[:1], THREE_TIED], ids=["whole-blocks", "opened-blocks"])
 @pytest.mark.parametrize("spelling", ["sequential", "custom"])
-def test_the_planned_map_trains_like_the_unsplit_model(spelling: str) -> None:
-    ref = tie(blocks(Adapter, "cpu"), "layer3.linear2=layer1.linear2")
-    plan = dk.plan_devices(tie(blocks(Adapter), "layer3.linear2=layer1.linear2"), BUDGETS, training=False)
+def test_the_planned_map_trains_like_the_unsplit_model(spelling: str, ties: tuple[str, ...]) -> None:
+    """Whole blocks: a Sequential's split routes each layer's input itself; opened blocks (the
+    three-tied plan): hooks place the pieces. Both train as the unsplit model."""
+    ref = tie(blocks(Adapter, "cpu"), *ties)
+    plan = dk.plan_devices(tie(blocks(Adapter), *ties), BUDGETS, training=False)
     model = copy.deepcopy(ref)
     net = model if spelling == "sequential" else ThreeBlocks(model)
     split = dk.split(net, on_cpu(plan))
     assert isinstance(split, dk.ModuleSplit)
     assert isinstance(split, dk.SplitModel) == (spelling == "sequential")
-    assert [(p.layer_names, p.tied_names) for p in split.plan.parts] == [(("layer1",), ("layer3",)), (("layer2",), ())]
+    assert [(p.layer_names, p.tied_names) for p in split.plan.parts] == [
+        (p.layer_names, p.tied_names) for p in plan.parts]
+    assert len(plan.parts[0].layer_names) == (1 if len(ties) == 1 else 3)
     torch.manual_seed(1)
     x, target = torch.randn(8, 3), torch.randn(8, 3)
     for module in (ref, split):
@@ -190,6 +198,7 @@ def test_the_planned_map_trains_like_the_unsplit_model(spelling: str) -> None:
                 for p in module.parameters():
                     p -= 0.1 * p.grad
     assert model.layer3.linear2.weight is model.layer1.linear2.weight  # still one tensor
+    assert split.unsplit() is net
     for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got, want, msg=name)
     for got, want in zip(model.buffers(), ref.buffers(), strict=True):  # BatchNorm running stats

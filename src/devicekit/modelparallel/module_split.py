@@ -86,7 +86,7 @@ class ModuleSplit(StaysOnPlan):
 
     split_again = "dk.split(split.unsplit(), [...])"
 
-    def __init__(self, module: nn.Module, plan: Plan) -> None:
+    def __init__(self, module: nn.Module, plan: Plan, *, hooks: bool = True) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -101,7 +101,8 @@ class ModuleSplit(StaysOnPlan):
         for _, unit, device in units:
             unit.to(device)
         self._flow = DeviceFlow(plan.devices[0])
-        self._handles = [h for _, unit, device in units for h in self._flow.attach(unit, device)]
+        # hooks=False: the caller moves each unit's input itself (SplitModel's plain Sequential)
+        self._handles = [h for _, unit, device in units for h in self._flow.attach(unit, device)] if hooks else []
         setattr(module, SPLIT_ATTR, [str(d) for d in plan.devices])
 
     @property

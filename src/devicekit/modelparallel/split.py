@@ -22,7 +22,8 @@ Devices may repeat and may be ``"cpu"`` (offload).
 Usage::
 
     import torch
-    from torch import nn
+    import torch
+from torch import nn
     import devicekit as dk
 
     model = dk.split(Net(), ["cuda:0", "cuda:1"])          # the seeds' Net, in one line
@@ -39,11 +40,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from devicekit.errors import SplitError
 from devicekit.modelparallel.device_list import parse_devices
 from devicekit.modelparallel.layer_plan import Balance, build_plan, make_parts, resolve
+from devicekit.modelparallel.layer_profile import sequential_layers
+from devicekit.modelparallel.microbatch import move
 from devicekit.modelparallel.module_split import ModuleSplit
 from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan, check_counts
@@ -64,6 +68,22 @@ class SplitModel(ModuleSplit):
 
     split_again = "dk.split(model.unsplit(), [...])"
 
+    def __init__(self, module: nn.Module, plan: Plan) -> None:
+        route = _route(module, plan)
+        super().__init__(module, plan, hooks=route is None)
+        #: (layer, device) in run order when every layer is placed whole: the forward moves each
+        #: layer's input itself, without hooks or the parent-code mode (a Sequential has no
+        #: code of its own); None when the plan opened a layer (then the hooks place its pieces)
+        self._route = route
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._route is None or kwargs or len(args) != 1:
+            return super().forward(*args, **kwargs)
+        x = args[0]
+        for layer, device in self._route:
+            x = layer(move(x, device))
+        return x
+
     @property
     def parts(self) -> list[nn.Sequential]:
         """Per part, its layers (tied followers last) as an ``nn.Sequential`` on the part's device.
@@ -76,6 +96,20 @@ class SplitModel(ModuleSplit):
             out.append(nn.Sequential(OrderedDict(
                 (name.replace(".", "_"), self.module.get_submodule(name)) for name in names)))
         return out
+
+
+def _route(module: nn.Module, plan: Plan) -> list[tuple[nn.Module, torch.device]] | None:
+    """Each layer of the Sequential with its planned device, or None if a layer is not placed whole."""
+    where = {name: part.device for part in plan.parts for name in (*part.layer_names, *part.tied_names)}
+    placed: dict[int, torch.device] = {}
+    route = []
+    for name, layer in sequential_layers(module):
+        device = where.get(name) or placed.get(id(layer))  # a layer listed again runs where it lives
+        if device is None:
+            return None
+        placed[id(layer)] = device
+        route.append((layer, device))
+    return route
 
 
 def split(
