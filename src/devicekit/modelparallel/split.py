@@ -124,7 +124,7 @@ def split(
 
     ``devices``: a list (repeats and ``"cpu"`` allowed) or a :class:`Plan` from
     ``dk.plan_devices``. ``balance``: ``"size"`` (weights, grads, ``optimizer`` state and, with
-    a ``sample``, saved activations), ``"time"`` (forward+backward per unit on ``sample``) or
+    a ``sample``, saved activations), ``"time"`` (each unit's forward, timed on ``sample``) or
     a list of unit counts (tied units count once, with the first one). The parameters move; the
     model object is reused, not copied. A plain ``nn.Sequential`` gives a :class:`SplitModel`.
     """
