@@ -226,3 +226,14 @@ def test_a_pipeline_takes_a_plan_whose_parts_are_consecutive() -> None:
     split.unsplit()
     with pytest.raises(dk.SplitError, match="layer '2' on cpu with '0' \\(the same module\\)"):
         dk.Pipeline(repeated, split_plan, chunks=2)
+
+
+def test_too_many_devices_for_the_tie_groups_names_the_tie() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    with pytest.raises(dk.SplitError) as err:
+        dk.split(model, ["cpu"] * 3)
+    message = str(err.value)
+    assert "cannot cut 2 unit(s) of Sequential into 3 parts" in message and "\n" not in message
+    assert "tied units stay on one device: 2.weight = 0.weight (tied units 0, 2)" in message
+    assert "pass at most 2 devices" in message
