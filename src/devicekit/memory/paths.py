@@ -115,10 +115,25 @@ def _child(parent: Found, suffix: str, step: tuple[str, Any], value: Any, in_mod
 
 
 def resolve(value: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
-    """Follow ``steps`` from ``value`` again; :data:`MISSING` where the path broke."""
+    """Follow ``steps`` from ``value`` again; :data:`MISSING` where the path broke.
+
+    Steps are ``("attr", name)``, ``("item", key)``, and, for functions, ``("cell", name)``
+    (a closure variable), ``("default", index)`` and ``("kwdefault", name)``.
+    """
     for kind, key in steps:
         try:
-            value = getattr(value, key) if kind == "attr" else value[key]
-        except (AttributeError, KeyError, IndexError, TypeError):
+            if kind == "attr":
+                value = getattr(value, key)
+            elif kind == "item":
+                value = value[key]
+            elif kind == "cell":  # a closure variable of a function
+                value = value.__closure__[value.__code__.co_freevars.index(key)].cell_contents
+            elif kind == "default":
+                value = value.__defaults__[key]
+            elif kind == "kwdefault":
+                value = value.__kwdefaults__[key]
+            else:
+                return MISSING
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
             return MISSING
     return value

@@ -18,10 +18,14 @@ Usage::
 from __future__ import annotations
 
 import collections
+import gc
+import types
 from typing import Any, NamedTuple
 
 import torch
 
+from devicekit.memory.leaks.reach import LRU_TYPE
+from devicekit.memory.roots import is_user_file
 from devicekit.memory.tensors import storage_bytes, storage_key
 
 __all__ = ["NODE_BYTES", "Size", "measure"]
@@ -29,6 +33,7 @@ __all__ = ["NODE_BYTES", "Size", "measure"]
 #: estimated bytes one autograd node keeps alive (C++ node, edges, metadata); not measurable
 NODE_BYTES = 256
 _saved_attrs: dict[type, tuple[str, ...]] = {}
+_MAX_DEPTH = 6  # hooks dict -> hook -> closure list -> tensor; errors -> exception -> traceback -> frame
 
 
 class Size(NamedTuple):
@@ -43,6 +48,8 @@ class Size(NamedTuple):
     nodes: int = 0
     graph_alive: bool = False
     estimated: bool = False
+    tensors: int = 0
+    scalars: int = 0  # tensors of one element (a logged loss)
 
     @property
     def effective(self) -> int:
@@ -59,8 +66,17 @@ class _Tally:
         self.graph_alive = False
         self.budget = node_budget
         self.truncated = False
+        self.seen: set[int] | None = None
+        self.tensors = 0
+        self.scalars = 0
+        self.containers: set[int] = set()  # each container once: closures and frames can loop
 
     def tensor(self, tensor: torch.Tensor, with_graph: bool = True) -> None:
+        if with_graph:
+            self.tensors += 1
+            self.scalars += tensor.numel() <= 1
+            if self.seen is not None:
+                self.seen.add(id(tensor))
         key = storage_key(tensor)
         if key is None or key not in self.storages:
             if key is not None:
@@ -106,15 +122,57 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     return names
 
 
-def measure(value: Any, *, node_budget: int = 4000, max_items: int = 4096) -> Size:
-    """Size of what ``value`` holds (tensor, container of tensors, object with tensor attributes)."""
+def measure(value: Any, *, node_budget: int = 4000, max_items: int = 4096,
+            seen: set[int] | None = None) -> Size:
+    """Size of what ``value`` holds (tensor, container of tensors, object with tensor attributes,
+    functions' closures and defaults, ``lru_cache`` results, exceptions' traceback frames).
+    ``seen``: ids of the tensor objects met are added to it."""
     tally = _Tally(node_budget)
-    items = len(value) if isinstance(value, (list, dict, set, tuple, collections.deque)) else 0
+    tally.seen = seen
+    items = _items(value)
     scale = _visit(value, tally, 0, max_items)
     nodes = len(tally.nodes)
     if scale != 1.0:
-        return Size(int(tally.bytes * scale), items, int(nodes * scale), tally.graph_alive, True)
-    return Size(tally.bytes, items, nodes, tally.graph_alive, tally.truncated)
+        return Size(int(tally.bytes * scale), items, int(nodes * scale), tally.graph_alive, True,
+                    int(tally.tensors * scale), int(tally.scalars * scale))
+    return Size(tally.bytes, items, nodes, tally.graph_alive, tally.truncated, tally.tensors, tally.scalars)
+
+
+def _items(value: Any) -> int:
+    if isinstance(value, (list, dict, set, tuple, collections.deque)):
+        return len(value)
+    if isinstance(value, LRU_TYPE):
+        return int(value.cache_info().currsize)
+    return 0
+
+
+def _inner(value: Any, depth: int) -> Any:
+    """What ``value`` holds that can hold tensors, or None when it is a leaf."""
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        return value
+    if isinstance(value, types.FunctionType):  # a hook or a deferred lambda: its captures
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:
+                continue
+        return [*cells, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+    if isinstance(value, LRU_TYPE):
+        return [v for v in gc.get_referents(value) if isinstance(v, (torch.Tensor, tuple, list, dict))]
+    if isinstance(value, BaseException):
+        return [value.__traceback__, value.__context__, value.__cause__]
+    if isinstance(value, types.TracebackType):
+        return [value.tb_frame, value.tb_next]
+    if isinstance(value, types.FrameType):
+        return list(value.f_locals.values()) if is_user_file(value.f_code.co_filename) else []
+    if (hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module, types.ModuleType))
+            and depth > 0):
+        return [v for v in vars(value).values()
+                if isinstance(v, (torch.Tensor, list, dict, tuple, types.FunctionType))]
+    return None
 
 
 def _visit(value: Any, tally: _Tally, depth: int, max_items: int) -> float:
@@ -122,16 +180,14 @@ def _visit(value: Any, tally: _Tally, depth: int, max_items: int) -> float:
     if isinstance(value, torch.Tensor):
         tally.tensor(value)
         return 1.0
-    if depth > 3:
+    if depth > _MAX_DEPTH or value is None:
         return 1.0
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        items = value
-    elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)) and depth > 0:
-        items = [v for v in vars(value).values() if isinstance(v, (torch.Tensor, list, dict, tuple))]
-    else:
+    if id(value) in tally.containers:
         return 1.0
+    items = _inner(value, depth)
+    if items is None:
+        return 1.0
+    tally.containers.add(id(value))
     count = len(items)
     if count > max_items:  # measure the newest items, scale up: a leak grows at the end
         sample = list(items)[-max_items:]

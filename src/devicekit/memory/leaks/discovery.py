@@ -1,0 +1,134 @@
+"""From surviving memory to named holders: the leak finder's search for what keeps a tensor.
+
+Each step, :class:`~devicekit.memory.leaks.survivors.SurvivorWatch` lists the tensors that
+outlived the step after the one that made them. Those already inside a measured holder are
+explained; for the rest :func:`~devicekit.memory.leaks.reach.find_paths` finds the shortest
+named path from the loop's variables, and every container on that path that can be re-read by
+name (``model.1._forward_hooks``, ``MyModel.cache``, ``opt.param_groups``, ``pending_logs``, an
+``lru_cache``) becomes a holder, measured from then on like the ones named up front. Which of
+them leaks is left to the measurement: only the container that gains something every step grows.
+Searches are bounded: a kind of tensor (dtype, shape, autograd state) found nowhere is searched
+again at most every few steps, and the report says how much such unnamed memory grows.
+
+Usage::
+
+    found = HolderDiscovery()
+    found.scan(step)                                  # after the step's garbage collection
+    new = found.search(unexplained, roots, step)      # {path: Holder}, also in found.holders
+    found.pattern("model.1._forward_hooks")           # ("[3].<closure feats>[0]", False)
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from devicekit.memory.leaks.holders import Holder
+from devicekit.memory.leaks.reach import LRU_TYPE, Edge, find_paths, is_user_class
+from devicekit.memory.leaks.survivors import SurvivorWatch, signature
+from devicekit.memory.paths import CONTAINERS
+from devicekit.memory.roots import Root, is_user_file
+from devicekit.memory.tensors import total_bytes
+
+__all__ = ["HolderDiscovery", "code_roots"]
+
+_RETRY_EVERY = 3  # steps between searches for a kind of tensor no path was found to
+
+
+def code_roots(namespace: dict[str, Any]) -> list[Root]:
+    """User functions and classes of a namespace: their defaults, closures, class attributes
+    and caches can hold tensors, but :func:`~devicekit.memory.roots.frame_roots` skips them."""
+    roots = []
+    for name, value in list(namespace.items()):
+        if name.startswith("__"):
+            continue
+        if isinstance(value, types.FunctionType) and is_user_file(value.__code__.co_filename):
+            roots.append(Root(name, "global", (lambda v=value: v)))
+        elif isinstance(value, type) and is_user_class(value):
+            roots.append(Root(name, "class", (lambda v=value: v)))
+    return roots
+
+
+class HolderDiscovery:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.survivors = SurvivorWatch()
+        self.holders: dict[str, Holder] = {}
+        self._via: dict[str, str] = {}
+        self._unnamed: dict[tuple[Any, ...], int] = {}  # signature -> last step searched
+        self.unnamed_bytes: list[tuple[int, int]] = []  # (step, bytes of survivors found nowhere)
+        self.searches = 0
+
+    def scan(self, step: int) -> list[torch.Tensor]:
+        return self.survivors.scan(step)
+
+    def pattern(self, path: str) -> tuple[str, bool]:
+        """``(via, is_lru)`` for a discovered holder: the path from it to the tensor it keeps."""
+        holder = self.holders.get(path)
+        value = holder.get() if holder is not None else None
+        return self._via.get(path, ""), isinstance(value, LRU_TYPE)
+
+    def search(self, unexplained: list[torch.Tensor], roots: list[Root], step: int,
+               held: set[int]) -> dict[str, Holder]:
+        """Name the holders of ``unexplained`` survivors; ``held``: ids of values already measured."""
+        targets: dict[int, torch.Tensor] = {}
+        for tensor in unexplained:
+            sig = signature(tensor)
+            last = self._unnamed.get(sig)
+            if last is not None and step - last < _RETRY_EVERY:
+                continue
+            targets[id(tensor)] = tensor
+        if not targets:
+            self._note_unnamed(unexplained, step)
+            return {}
+        self.searches += 1
+        paths = find_paths(targets, roots)
+        new: dict[str, Holder] = {}
+        for key, (root, edges) in paths.items():
+            for path, holder, via in _candidates(root, edges):
+                value = holder.get()
+                if path in self.holders or id(value) in held:
+                    continue
+                held.add(id(value))
+                self.holders[path] = new[path] = holder
+                self._via[path] = via
+            targets.pop(key, None)
+        missing = [t for t in unexplained if id(t) in targets]
+        for tensor in missing:
+            self._unnamed[signature(tensor)] = step
+        self._note_unnamed(missing, step)
+        return new
+
+    def _note_unnamed(self, tensors: list[torch.Tensor], step: int) -> None:
+        if tensors:
+            self.unnamed_bytes.append((step, total_bytes(tensors)))
+
+    def clear(self) -> None:
+        self.holders.clear()
+        self.survivors.clear()
+
+
+def _candidates(root: Root, edges: list[Edge]) -> list[tuple[str, Holder, str]]:
+    """Every container on the path that can be re-read by name, with the rest of the path."""
+    found = []
+    values = [root.get(), *(edge.value for edge in edges)]
+    steps: list[tuple[str, Any]] = []
+    resolvable = True
+    for index, value in enumerate(values[:-1]):  # the last value is the tensor itself
+        if index > 0:
+            step = edges[index - 1].step
+            if step is None:
+                resolvable = False
+            else:
+                steps.append(step)
+        if not resolvable:
+            break
+        if isinstance(value, (*CONTAINERS, LRU_TYPE)):
+            path = root.name + "".join(edge.label for edge in edges[:index])
+            in_module = index > 0 and isinstance(values[index - 1], torch.nn.Module)
+            via = "".join(edge.label for edge in edges[index:])
+            found.append((path, Holder(path, root.origin, in_module, root, tuple(steps)), via))
+    return found
