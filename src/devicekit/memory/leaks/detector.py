@@ -39,7 +39,7 @@ from devicekit.memory.leaks.lines import LineTracer, fingerprint
 from devicekit.memory.leaks.measure import Size, measure
 from devicekit.memory.leaks.report import Leak, LeakReport
 from devicekit.memory.leaks.trend import growth, slope
-from devicekit.memory.leaks.verdict import detail_of, fix_for, kind_of, pattern_of
+from devicekit.memory.leaks.verdict import detail_of, fix_for, kind_of, pattern_of, via_of
 from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import Root, frame_roots
 from devicekit.units import format_size
@@ -143,6 +143,10 @@ class LeakDetector:
         return roots if frame.f_locals is frame.f_globals else roots + code_roots(frame.f_globals)
 
     def _sample(self, frame: types.FrameType | None, *, baseline: bool = False) -> None:
+        if frame is not None:
+            # refresh the frame's locals snapshot (Python < 3.13) before looking for survivors:
+            # the one taken at the last step still holds that step's values
+            frame.f_locals  # noqa: B018
         if self._tracer.active:
             self._tracer.check()
             self._tracer.stop()
@@ -262,6 +266,7 @@ class LeakDetector:
         origin, in_module, is_tensor = self._info[path]
         nodes_rate = slope([s.nodes for s in post])
         via, is_lru = self._discovery.pattern(path)
+        via = via or via_of(post[-1].through)
         kind = pattern_of(path, via=via, origin=origin, is_lru=is_lru) or kind_of(
             in_module=in_module, is_tensor=is_tensor, nodes_grow=nodes_rate > 0)
         last = post[-1]
@@ -312,11 +317,16 @@ def _cumulative(points: list[tuple[int, int]], warmup: int, last: int) -> list[i
 
 
 def _most_specific(leaks: list[Leak]) -> list[Leak]:
-    """Drop ``stats`` when ``stats['losses']`` explains its growth."""
+    """Drop ``stats`` when ``stats['losses']`` explains its growth; but a holder that gains
+    entries every step (a hook dict, ``param_groups``) is the cause, not what one entry holds."""
     kept = []
     for leak in leaks:
+        outer = [o for o in leaks if o is not leak and leak.holder.startswith(o.holder)
+                 and leak.holder[len(o.holder):][:1] in (".", "[") and o.items_per_step >= 1]
+        if outer:
+            continue
         inner = [o for o in leaks if o is not leak and o.holder.startswith(leak.holder)
                  and o.holder[len(leak.holder):][:1] in (".", "[")]
-        if not any(o.bytes_per_step * 2 >= leak.bytes_per_step for o in inner):
+        if leak.items_per_step >= 1 or not any(o.bytes_per_step * 2 >= leak.bytes_per_step for o in inner):
             kept.append(leak)
     return kept

@@ -58,6 +58,7 @@ class HolderDiscovery:
         self.survivors = SurvivorWatch()
         self.holders: dict[str, Holder] = {}
         self._via: dict[str, str] = {}
+        self._lru: set[str] = set()
         self._unnamed: dict[tuple[Any, ...], int] = {}  # signature -> last step searched
         self.unnamed_bytes: list[tuple[int, int]] = []  # (step, bytes of survivors found nowhere)
         self.searches = 0
@@ -67,9 +68,7 @@ class HolderDiscovery:
 
     def pattern(self, path: str) -> tuple[str, bool]:
         """``(via, is_lru)`` for a discovered holder: the path from it to the tensor it keeps."""
-        holder = self.holders.get(path)
-        value = holder.get() if holder is not None else None
-        return self._via.get(path, ""), isinstance(value, LRU_TYPE)
+        return self._via.get(path, ""), path in self._lru
 
     def search(self, unexplained: list[torch.Tensor], roots: list[Root], step: int,
                held: set[int]) -> dict[str, Holder]:
@@ -95,6 +94,8 @@ class HolderDiscovery:
                 held.add(id(value))
                 self.holders[path] = new[path] = holder
                 self._via[path] = via
+                if isinstance(value, LRU_TYPE):
+                    self._lru.add(path)
             targets.pop(key, None)
         missing = [t for t in unexplained if id(t) in targets]
         for tensor in missing:
@@ -107,6 +108,7 @@ class HolderDiscovery:
             self.unnamed_bytes.append((step, total_bytes(tensors)))
 
     def clear(self) -> None:
+        """Drop every reference to the program's objects (what was learned about paths stays)."""
         self.holders.clear()
         self.survivors.clear()
 

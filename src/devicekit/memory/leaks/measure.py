@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import types
 from typing import Any, NamedTuple
@@ -28,7 +29,10 @@ from devicekit.memory.leaks.reach import LRU_TYPE
 from devicekit.memory.roots import is_user_file
 from devicekit.memory.tensors import storage_bytes, storage_key
 
-__all__ = ["NODE_BYTES", "Size", "measure"]
+__all__ = ["NODE_BYTES", "THROUGH", "Size", "measure"]
+
+#: how a measured holder reached its tensors: bits of ``Size.through``
+THROUGH = {"closure": 1, "traceback": 2, "lru": 4, "default": 8}
 
 #: estimated bytes one autograd node keeps alive (C++ node, edges, metadata); not measurable
 NODE_BYTES = 256
@@ -50,6 +54,7 @@ class Size(NamedTuple):
     estimated: bool = False
     tensors: int = 0
     scalars: int = 0  # tensors of one element (a logged loss)
+    through: int = 0  # THROUGH flags of the paths that reached tensors
 
     @property
     def effective(self) -> int:
@@ -69,6 +74,7 @@ class _Tally:
         self.seen: set[int] | None = None
         self.tensors = 0
         self.scalars = 0
+        self.through = 0
         self.containers: set[int] = set()  # each container once: closures and frames can loop
 
     def tensor(self, tensor: torch.Tensor, with_graph: bool = True) -> None:
@@ -77,6 +83,9 @@ class _Tally:
             self.scalars += tensor.numel() <= 1
             if self.seen is not None:
                 self.seen.add(id(tensor))
+                base = tensor._base  # a view keeps its base tensor object alive too
+                if base is not None:
+                    self.seen.add(id(base))
         key = storage_key(tensor)
         if key is None or key not in self.storages:
             if key is not None:
@@ -134,8 +143,9 @@ def measure(value: Any, *, node_budget: int = 4000, max_items: int = 4096,
     nodes = len(tally.nodes)
     if scale != 1.0:
         return Size(int(tally.bytes * scale), items, int(nodes * scale), tally.graph_alive, True,
-                    int(tally.tensors * scale), int(tally.scalars * scale))
-    return Size(tally.bytes, items, nodes, tally.graph_alive, tally.truncated, tally.tensors, tally.scalars)
+                    int(tally.tensors * scale), int(tally.scalars * scale), tally.through)
+    return Size(tally.bytes, items, nodes, tally.graph_alive, tally.truncated, tally.tensors,
+                tally.scalars, tally.through)
 
 
 def _items(value: Any) -> int:
@@ -146,54 +156,63 @@ def _items(value: Any) -> int:
     return 0
 
 
-def _inner(value: Any, depth: int) -> Any:
-    """What ``value`` holds that can hold tensors, or None when it is a leaf."""
+def _inner(value: Any, depth: int) -> tuple[Any, int] | None:
+    """What ``value`` holds that can hold tensors, and the :data:`THROUGH` flag of that path;
+    None when it is a leaf."""
     if isinstance(value, dict):
-        return value.values()
+        return value.values(), 0
     if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        return value
-    if isinstance(value, types.FunctionType):  # a hook or a deferred lambda: its captures
+        return value, 0
+    if isinstance(value, types.FunctionType):  # a hook or a deferred lambda: what it captured
         cells = []
         for cell in value.__closure__ or ():
             try:
                 cells.append(cell.cell_contents)
             except ValueError:
                 continue
-        return [*cells, *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+        defaults = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values()]
+        return [*cells, *defaults], (THROUGH["default"] if defaults else 0) | (THROUGH["closure"] if cells else 0)
+    if isinstance(value, functools.partial):
+        return [*value.args, *value.keywords.values()], THROUGH["closure"]
+    if isinstance(value, types.MethodType):  # a bound method as a hook: its object's state
+        return [value.__self__], THROUGH["closure"]
     if isinstance(value, LRU_TYPE):
-        return [v for v in gc.get_referents(value) if isinstance(v, (torch.Tensor, tuple, list, dict))]
+        results = [v for v in gc.get_referents(value) if isinstance(v, (torch.Tensor, tuple, list, dict))]
+        return results, THROUGH["lru"]
     if isinstance(value, BaseException):
-        return [value.__traceback__, value.__context__, value.__cause__]
+        return [value.__traceback__, value.__context__, value.__cause__], THROUGH["traceback"]
     if isinstance(value, types.TracebackType):
-        return [value.tb_frame, value.tb_next]
+        return [value.tb_frame, value.tb_next], THROUGH["traceback"]
     if isinstance(value, types.FrameType):
-        return list(value.f_locals.values()) if is_user_file(value.f_code.co_filename) else []
+        user = is_user_file(value.f_code.co_filename)
+        return (list(value.f_locals.values()) if user else []), THROUGH["traceback"]
     if (hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module, types.ModuleType))
             and depth > 0):
         return [v for v in vars(value).values()
-                if isinstance(v, (torch.Tensor, list, dict, tuple, types.FunctionType))]
+                if isinstance(v, (torch.Tensor, list, dict, tuple, types.FunctionType))], 0
     return None
 
 
-def _visit(value: Any, tally: _Tally, depth: int, max_items: int) -> float:
+def _visit(value: Any, tally: _Tally, depth: int, max_items: int, through: int = 0) -> float:
     """Add ``value`` to ``tally``; return the scale factor when only a sample of items was seen."""
     if isinstance(value, torch.Tensor):
         tally.tensor(value)
+        tally.through |= through
         return 1.0
-    if depth > _MAX_DEPTH or value is None:
+    if depth > _MAX_DEPTH or value is None or id(value) in tally.containers:
         return 1.0
-    if id(value) in tally.containers:
-        return 1.0
-    items = _inner(value, depth)
-    if items is None:
+    inner = _inner(value, depth)
+    if inner is None:
         return 1.0
     tally.containers.add(id(value))
+    items, flag = inner
+    through |= flag
     count = len(items)
     if count > max_items:  # measure the newest items, scale up: a leak grows at the end
         sample = list(items)[-max_items:]
         for item in sample:
-            _visit(item, tally, depth + 1, max_items)
+            _visit(item, tally, depth + 1, max_items, through)
         return count / max_items
     for item in items:
-        _visit(item, tally, depth + 1, max_items)
+        _visit(item, tally, depth + 1, max_items, through)
     return 1.0

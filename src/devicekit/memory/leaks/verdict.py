@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from devicekit.memory.leaks.reach import HOOK_DICTS
 
-__all__ = ["kind_of", "fix_for", "pattern_of", "detail_of"]
+__all__ = ["kind_of", "fix_for", "pattern_of", "detail_of", "via_of"]
+
+
+def via_of(through: int) -> str:
+    """A path-like text for measured ``THROUGH`` flags (holders named up front have no path)."""
+    return "".join(text for bit, text in ((8, ".__defaults__"), (1, ".<closure>"), (2, ".__traceback__"))
+                   if through & bit)
 
 
 def pattern_of(holder: str, *, via: str, origin: str, is_lru: bool) -> str | None:
