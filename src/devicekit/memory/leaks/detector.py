@@ -70,7 +70,7 @@ class LeakDetector:
         self.warmup = warmup
         self.lines = lines
         self.cycles = cycles
-        self._extra = [Root(name, "global", (lambda v=value: v)) for name, value in (watch or {}).items()]
+        self._extra = [Root(name, "watch", (lambda v=value: v)) for name, value in (watch or {}).items()]
         self._roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_roots
         self._series: dict[str, list[tuple[int, Size]]] = {}
         # path -> (origin, in_module, is_tensor): what the verdict needs, without the object itself
@@ -83,6 +83,8 @@ class LeakDetector:
         self._allocated: list[tuple[int, int]] = []
         self._big: dict[str, tuple[Any, Size, frozenset[int]]] = {}
         self._discovery = HolderDiscovery()
+        # path -> (id of its value, ids of the containers inside it), as last measured
+        self._inside: dict[str, tuple[int, set[int]]] = {}
         self._code_roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_code_roots
         self._step = 0
         self._started = False
@@ -208,7 +210,11 @@ class LeakDetector:
         """Measure; a big container whose identity and length did not change keeps its last size
         (walking a 10,000-item dataset list every step would cost more than the step)."""
         if not isinstance(value, CONTAINERS) or len(value) < _REMEASURE_BELOW:
-            return measure(value, seen=seen)
+            inside: set[int] = set()
+            size = measure(value, seen=seen, inside=inside)
+            inside.discard(id(value))
+            self._inside[path] = (id(value), inside)
+            return size
         print_ = fingerprint(value)
         last = self._big.get(path)
         if last is not None and last[0] == print_:
@@ -228,7 +234,7 @@ class LeakDetector:
             self._tracer.check()
             self._tracer.stop()
         leaks = [leak for path in self._series if (leak := self._holder_leak(path)) is not None]
-        leaks = _most_specific(leaks)
+        leaks = _most_specific(leaks, self._inside)
         cycle = self._cycle_leak()
         if cycle is not None:
             leaks.append(cycle)
@@ -316,17 +322,22 @@ def _cumulative(points: list[tuple[int, int]], warmup: int, last: int) -> list[i
     return series
 
 
-def _most_specific(leaks: list[Leak]) -> list[Leak]:
-    """Drop ``stats`` when ``stats['losses']`` explains its growth; but a holder that gains
-    entries every step (a hook dict, ``param_groups``) is the cause, not what one entry holds."""
+def _most_specific(leaks: list[Leak], inside: dict[str, tuple[int, set[int]]]) -> list[Leak]:
+    """Drop ``stats`` when ``stats['losses']`` (or another holder measured inside it) explains its
+    growth; but a holder that gains entries every step (a hook dict, ``param_groups``) is the
+    cause, not what one of its entries holds."""
+    def contains(outer: Leak, inner: Leak) -> bool:
+        if inner.holder.startswith(outer.holder) and inner.holder[len(outer.holder):][:1] in (".", "["):
+            return True
+        outer_id, ids = inside.get(outer.holder, (0, set()))
+        inner_id = inside.get(inner.holder, (-1, set()))[0]
+        return inner_id in ids and inner_id != outer_id
+
     kept = []
     for leak in leaks:
-        outer = [o for o in leaks if o is not leak and leak.holder.startswith(o.holder)
-                 and leak.holder[len(o.holder):][:1] in (".", "[") and o.items_per_step >= 1]
-        if outer:
+        if any(o is not leak and o.items_per_step >= 1 and contains(o, leak) for o in leaks):
             continue
-        inner = [o for o in leaks if o is not leak and o.holder.startswith(leak.holder)
-                 and o.holder[len(leak.holder):][:1] in (".", "[")]
+        inner = [o for o in leaks if o is not leak and contains(leak, o)]
         if leak.items_per_step >= 1 or not any(o.bytes_per_step * 2 >= leak.bytes_per_step for o in inner):
             kept.append(leak)
     return kept

@@ -28,7 +28,7 @@ from devicekit.memory.roots import MISSING, Root, is_plain_value
 
 __all__ = ["Holder", "discover"]
 
-_ORIGIN_RANK = {"local": 0, "closure": 1, "self": 2, "global": 3}
+_ORIGIN_RANK = {"watch": -1, "local": 0, "closure": 1, "self": 2, "global": 3}  # watch=: named by the user
 
 
 @dataclass(frozen=True)

@@ -132,12 +132,14 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
 
 
 def measure(value: Any, *, node_budget: int = 4000, max_items: int = 4096,
-            seen: set[int] | None = None) -> Size:
+            seen: set[int] | None = None, inside: set[int] | None = None) -> Size:
     """Size of what ``value`` holds (tensor, container of tensors, object with tensor attributes,
     functions' closures and defaults, ``lru_cache`` results, exceptions' traceback frames).
-    ``seen``: ids of the tensor objects met are added to it."""
+    ``seen``: ids of the tensor objects met are added to it; ``inside``: ids of the containers."""
     tally = _Tally(node_budget)
     tally.seen = seen
+    if inside is not None:
+        tally.containers = inside
     items = _items(value)
     scale = _visit(value, tally, 0, max_items)
     nodes = len(tally.nodes)
@@ -186,8 +188,8 @@ def _inner(value: Any, depth: int) -> tuple[Any, int] | None:
     if isinstance(value, types.FrameType):
         user = is_user_file(value.f_code.co_filename)
         return (list(value.f_locals.values()) if user else []), THROUGH["traceback"]
-    if (hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module, types.ModuleType))
-            and depth > 0):
+    if (hasattr(value, "__dict__") and depth > 0
+            and not isinstance(value, (type, torch.nn.Module, torch.optim.Optimizer, types.ModuleType))):
         return [v for v in vars(value).values()
                 if isinstance(v, (torch.Tensor, list, dict, tuple, types.FunctionType))], 0
     return None
