@@ -375,6 +375,7 @@ def test_leak_is_named_with_holder_and_line(case: str) -> None:
     assert leak.severity == "leak"
     assert report.leaks[0].bytes_per_step >= leak.bytes_per_step  # ranked by rate
     assert not report.ok
+    assert not [note for note in report.notes if "no holder found" in note], str(report)
 
 
 # -- clean look-alikes ------------------------------------------------------------------------

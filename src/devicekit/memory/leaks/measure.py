@@ -78,14 +78,14 @@ class _Tally:
         self.containers: set[int] = set()  # each container once: closures and frames can loop
 
     def tensor(self, tensor: torch.Tensor, with_graph: bool = True) -> None:
+        if self.seen is not None:  # saved tensors too: torch keeps their Python objects alive
+            self.seen.add(id(tensor))
+            base = tensor._base  # a view keeps its base tensor object alive too
+            if base is not None:
+                self.seen.add(id(base))
         if with_graph:
             self.tensors += 1
             self.scalars += tensor.numel() <= 1
-            if self.seen is not None:
-                self.seen.add(id(tensor))
-                base = tensor._base  # a view keeps its base tensor object alive too
-                if base is not None:
-                    self.seen.add(id(base))
         key = storage_key(tensor)
         if key is None or key not in self.storages:
             if key is not None:
