@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +44,9 @@ def _globals_of(step: Callable[..., Any]) -> dict[str, Any]:
             inner = inner.func
         elif hasattr(inner, "__func__"):
             inner = inner.__func__
-        elif not hasattr(inner, "__globals__") and callable(getattr(type(inner), "__call__", None)):
-            inner = type(inner).__call__
+        elif not hasattr(inner, "__globals__") and isinstance(vars(type(inner)).get("__call__"),
+                                                              types.FunctionType):
+            inner = vars(type(inner))["__call__"]
         else:
             break
     found = getattr(inner, "__globals__", None)
@@ -95,5 +97,5 @@ def find_leaks(step: Callable[..., Any], *, steps: int = 6, warmup: int = 2, lin
             detector._sample(None)
     finally:
         detector.stop()
-    del caller, code
+    del caller
     return detector.report()
