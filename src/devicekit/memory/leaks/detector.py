@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -282,7 +283,7 @@ class LeakDetector:
         scalars_rate = slope([s.scalars for s in post])
         minor = (nodes_rate <= 0 and not last.graph_alive and scalars_rate >= 1
                  and scalars_rate >= slope([s.tensors for s in post]) and rate / scalars_rate <= _SCALAR_BYTES)
-        where = f"{filename}:{lineno}" if lineno else ""
+        where = f"{os.path.basename(filename)}:{lineno}" if lineno else ""
         fix = fix_for(kind, path, graph_alive=last.graph_alive, has_graph=last.nodes > 0)
         if minor:
             fix = (f"`{path}` grows by one scalar a step: fine for a log; keep Python numbers "

@@ -16,6 +16,8 @@ Usage::
 
 from __future__ import annotations
 
+import re
+
 from devicekit.memory.leaks.reach import HOOK_DICTS
 
 __all__ = ["kind_of", "fix_for", "pattern_of", "detail_of", "via_of"]
@@ -78,7 +80,7 @@ def fix_for(kind: str, holder: str, *, graph_alive: bool, has_graph: bool) -> st
     """One line of advice for ``holder`` leaking as ``kind``."""
     graph = " and its autograd graph" if has_graph else ""
     if kind == "hook_per_step":
-        owner = holder.rsplit(".", 1)[0]
+        owner = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", holder.rsplit(".", 1)[0])  # model.1 -> model[1]
         return (f"a hook is registered on `{owner}` every step and never removed, and each keeps what "
                 f"it captured: register it once before the loop, or keep the handle "
                 f"(`h = {owner}.register_forward_hook(...)`) and call `h.remove()` after the step")
