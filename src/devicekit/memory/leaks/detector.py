@@ -20,6 +20,14 @@ Usage::
             total_loss += loss            # the leak: keeps every graph
             ld.step()
     print(ld.report())                    # total_loss: autograd graph kept alive, line 7, fix: .item()
+
+Holders no name reaches are found from the memory: the tensors a step created that are still
+alive after the next step are traced back to the nearest named thing (a module's hook dict,
+``opt.param_groups``, a class attribute, an ``lru_cache``; :mod:`~devicekit.memory.leaks.discovery`).
+
+From a framework callback, which does not own the loop: ``ld.start()`` when training starts,
+``ld.step()`` after each training step, ``ld.report()`` then ``ld.stop()`` at the end (and on an
+exception); ``watch=`` names the model and optimizer the callback's frame does not show.
 """
 
 from __future__ import annotations
