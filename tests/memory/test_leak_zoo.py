@@ -648,3 +648,19 @@ def test_only_a_log_of_scalars_reports_no_leak() -> None:
 
     report = dk.find_leaks(step)
     assert report.ok and report.minor and report.minor[0].holder == "loss_curve", str(report)
+
+
+def test_memory_no_name_reaches_is_reported_as_unnamed_growth() -> None:
+    import sys
+
+    setattr(sys, "_devicekit_test_hidden", [])  # noqa: B010 - reachable only through a module
+
+    def step() -> None:
+        getattr(sys, "_devicekit_test_hidden").append(torch.randn(64))  # noqa: B009
+
+    try:
+        report = dk.find_leaks(step)
+    finally:
+        delattr(sys, "_devicekit_test_hidden")
+    notes = [note for note in report.notes if "no holder found" in note]
+    assert notes and "+256 B/step" in notes[0], str(report)
