@@ -34,7 +34,7 @@ from devicekit.memory.tensors import total_bytes
 
 __all__ = ["HolderDiscovery", "code_roots"]
 
-_RETRY_EVERY = 3  # steps between searches for a kind of tensor no path was found to
+_RETRY_EVERY = 3  # steps between searches for one kind of tensor
 
 
 def code_roots(namespace: dict[str, Any]) -> list[Root]:
@@ -59,7 +59,8 @@ class HolderDiscovery:
         self.holders: dict[str, Holder] = {}
         self._via: dict[str, str] = {}
         self._lru: set[str] = set()
-        self._unnamed: dict[tuple[Any, ...], int] = {}  # signature -> last step searched
+        self._searched: dict[tuple[Any, ...], int] = {}  # signature -> last step searched
+        self._failed: set[tuple[Any, ...]] = set()  # signatures a search found no path to
         self.unnamed_bytes: list[tuple[int, int]] = []  # (step, bytes of survivors found nowhere)
         self.searches = 0
 
@@ -74,19 +75,23 @@ class HolderDiscovery:
                held: set[int]) -> dict[str, Holder]:
         """Name the holders of ``unexplained`` survivors; ``held``: ids of values already measured."""
         targets: dict[int, torch.Tensor] = {}
+        unnamed: list[torch.Tensor] = []
         for tensor in unexplained:
             sig = signature(tensor)
-            last = self._unnamed.get(sig)
-            if last is not None and step - last < _RETRY_EVERY:
+            last = self._searched.get(sig)
+            if last is not None and 0 < step - last < _RETRY_EVERY:
+                if sig in self._failed:
+                    unnamed.append(tensor)
                 continue
+            self._searched[sig] = step  # a kind of tensor is searched for once every few steps
             targets[id(tensor)] = tensor
         if not targets:
-            self._note_unnamed(unexplained, step)
+            self._note_unnamed(unnamed, step)
             return {}
         self.searches += 1
         paths = find_paths(targets, roots)
         new: dict[str, Holder] = {}
-        for key, (root, edges) in paths.items():
+        for root, edges in paths.values():
             for path, holder, via in _candidates(root, edges):
                 value = holder.get()
                 if path in self.holders or id(value) in held:
@@ -96,11 +101,13 @@ class HolderDiscovery:
                 self._via[path] = via
                 if isinstance(value, LRU_TYPE):
                     self._lru.add(path)
-            targets.pop(key, None)
-        missing = [t for t in unexplained if id(t) in targets]
-        for tensor in missing:
-            self._unnamed[signature(tensor)] = step
-        self._note_unnamed(missing, step)
+        for key, tensor in targets.items():  # searched now, and no path found
+            if key not in paths:
+                self._failed.add(signature(tensor))
+                unnamed.append(tensor)
+            else:
+                self._failed.discard(signature(tensor))
+        self._note_unnamed(unnamed, step)
         return new
 
     def _note_unnamed(self, tensors: list[torch.Tensor], step: int) -> None:
