@@ -136,7 +136,8 @@ class LeakDetector:
             raise InvalidValueError("LeakDetector.step() called after stop(); use a new LeakDetector")
         if not self._started:  # no `with`: nothing guarantees stop(), so gc is never paused
             self._cycle_watch = None
-            self._notes.append("reference cycles not checked: use `with LeakDetector() as ld:` for that")
+            self._notes.append("reference cycles not checked, and only named holders followed (not the "
+                               "memory): use `with LeakDetector() as ld:` or ld.start()/ld.stop() for that")
             self.start(frame)
             return
         self._sample(frame)
