@@ -64,8 +64,10 @@ class LeakDetector:
 
     ``watch``: extra objects to follow by name (``watch={"trainer": trainer}``), for holders the
     calling frame cannot see. ``lines``: attribute leaks to source lines (costs more only while
-    something grows). ``cycles``: look for tensors held by reference cycles (pauses automatic
-    garbage collection while watching; restored on exit).
+    something grows). ``cycles``: look for tensors held by reference cycles, and for the tensors
+    each step leaves alive that no name reaches (both need automatic garbage collection paused
+    and older objects frozen while watching, restored on exit; with ``cycles=False`` only named
+    holders are followed).
     """
 
     def __init__(self, *, warmup: int = 2, lines: bool = True, cycles: bool = True,
@@ -265,6 +267,8 @@ class LeakDetector:
             notes.append("some lines are unknown: the holder grew inside library code or only once traced")
         if not self.lines:
             notes.append("line attribution off (lines=False)")
+        if not self.cycles:
+            notes.append("cycles=False: reference cycles and memory no name reaches not checked")
         post = [n for step, n in self._allocated if step >= self.warmup]
         rate = growth(post)
         explained = sum(leak.bytes_per_step for leak in leaks)

@@ -105,7 +105,11 @@ class LeakReport:
         return next((leak for leak in self.leaks if leak.holder == holder), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for key in ("leaks", "minor"):
+            for item, leak in zip(data[key], getattr(self, key), strict=True):
+                item["projection"] = leak.projection
+        return data
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
