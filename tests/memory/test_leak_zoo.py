@@ -664,3 +664,31 @@ def test_memory_no_name_reaches_is_reported_as_unnamed_growth() -> None:
         delattr(sys, "_devicekit_test_hidden")
     notes = [note for note in report.notes if "no holder found" in note]
     assert notes and "+256 B/step" in notes[0], str(report)
+
+
+def test_a_callback_step_keeps_no_old_frame_alive() -> None:
+    import weakref
+
+    model = small()
+    ld = dk.LeakDetector()
+    ld.start()
+    refs = []
+
+    def on_train_batch_end(model: nn.Module, batch: torch.Tensor) -> None:  # a callback's frame
+        ld.step()
+
+    try:
+        for _ in range(6):
+            feats: list[torch.Tensor] = []
+            model[1].register_forward_hook(lambda m, i, o, feats=feats: feats.append(o))
+            batch = torch.randn(8, 16)
+            train(model)
+            refs.append(weakref.ref(batch))
+            on_train_batch_end(model, batch)
+            del batch
+        report = ld.report()
+        alive = [ref() is not None for ref in refs[:-1]]
+    finally:
+        ld.stop()
+    assert report.leaks[0].holder == "model.1._forward_hooks", str(report)
+    assert not any(alive), alive  # earlier callback frames (and their batches) were let go

@@ -32,6 +32,7 @@ exception); ``watch=`` names the model and optimizer the callback's frame does n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -50,7 +51,7 @@ from devicekit.memory.leaks.report import Leak, LeakReport
 from devicekit.memory.leaks.trend import growth, slope
 from devicekit.memory.leaks.verdict import detail_of, fix_for, kind_of, pattern_of, via_of
 from devicekit.memory.paths import CONTAINERS
-from devicekit.memory.roots import Root, frame_roots
+from devicekit.memory.roots import MISSING, Root, frame_roots
 from devicekit.units import format_size
 
 __all__ = ["LeakDetector"]
@@ -182,7 +183,8 @@ class LeakDetector:
         roots = self._roots_of(frame)
         holders = discover(roots)
         for path, holder in self._discovery.holders.items():
-            holders.setdefault(path, holder)
+            if path not in holders:
+                holders[path] = _in_frame(holder, frame)
         grew: dict[str, Holder] = {}
         seen: set[int] = set()
         held: set[int] = set()
@@ -324,6 +326,16 @@ class LeakDetector:
                                                      has_graph=False),
                     origin="cycle", total_bytes=sum(s.bytes for s in with_tensors),
                     series=[s.bytes for s in post])
+
+
+def _in_frame(holder: Holder, frame: types.FrameType | None) -> Holder:
+    """A holder found under a local name is read from the current frame (a callback's
+    ``step()`` runs in a new frame each time; the old one must not be kept alive)."""
+    if holder.origin != "local" or frame is None:
+        return holder
+    name = holder.root.name
+    root = Root(name, "local", lambda: frame.f_locals.get(name, MISSING))
+    return dataclasses.replace(holder, root=root)
 
 
 def _cumulative(points: list[tuple[int, int]], warmup: int, last: int) -> list[int]:

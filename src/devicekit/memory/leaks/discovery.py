@@ -20,6 +20,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -29,7 +30,7 @@ from devicekit.memory.leaks.holders import Holder
 from devicekit.memory.leaks.reach import LRU_TYPE, Edge, find_paths, is_user_class
 from devicekit.memory.leaks.survivors import SurvivorWatch, signature
 from devicekit.memory.paths import CONTAINERS
-from devicekit.memory.roots import Root, is_user_file
+from devicekit.memory.roots import MISSING, Root, is_user_file
 from devicekit.memory.tensors import total_bytes
 
 __all__ = ["HolderDiscovery", "code_roots"]
@@ -97,7 +98,10 @@ class HolderDiscovery:
                 if path in self.holders or id(value) in held:
                     continue
                 held.add(id(value))
-                self.holders[path] = new[path] = holder
+                new[path] = holder
+                # a local name is kept without its frame; the detector reads it from the current one
+                self.holders[path] = holder if holder.origin != "local" else dataclasses.replace(
+                    holder, root=Root(root.name, "local", _gone))
                 self._via[path] = via
                 if isinstance(value, LRU_TYPE):
                     self._lru.add(path)
@@ -118,6 +122,10 @@ class HolderDiscovery:
         """Drop every reference to the program's objects (what was learned about paths stays)."""
         self.holders.clear()
         self.survivors.clear()
+
+
+def _gone() -> Any:
+    return MISSING
 
 
 def _candidates(root: Root, edges: list[Edge]) -> list[tuple[str, Holder, str]]:
