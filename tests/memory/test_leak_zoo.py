@@ -692,3 +692,33 @@ def test_a_callback_step_keeps_no_old_frame_alive() -> None:
         ld.stop()
     assert report.leaks[0].holder == "model.1._forward_hooks", str(report)
     assert not any(alive), alive  # earlier callback frames (and their batches) were let go
+
+
+class Odd:
+    """Runs code on attribute access, as proxies and lazy objects do."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"no {name}")
+
+
+def test_dead_weak_proxies_and_odd_objects_never_break_the_loop() -> None:
+    import weakref
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    things: list[Any] = [weakref.proxy(gone), Odd()]
+    del gone
+    proxy = things[0]
+    odd = Odd()
+    model = small()
+
+    def step() -> None:
+        feats: list[torch.Tensor] = []
+        model[1].register_forward_hook(lambda m, i, o: feats.append(o))
+        train(model)
+
+    report = dk.find_leaks(step)
+    assert report.leaks[0].holder == "model.1._forward_hooks", str(report)
+    del proxy, odd, things

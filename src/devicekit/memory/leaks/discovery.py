@@ -45,9 +45,10 @@ def code_roots(namespace: dict[str, Any]) -> list[Root]:
     for name, value in list(namespace.items()):
         if name.startswith("__"):
             continue
-        if isinstance(value, types.FunctionType) and is_user_file(value.__code__.co_filename):
+        cls = type(value)  # not isinstance: it reads __class__, which a dead weak proxy raises on
+        if cls is types.FunctionType and is_user_file(value.__code__.co_filename):
             roots.append(Root(name, "global", (lambda v=value: v)))
-        elif isinstance(value, type) and is_user_class(value):
+        elif issubclass(cls, type) and is_user_class(value):
             roots.append(Root(name, "class", (lambda v=value: v)))
     return roots
 

@@ -197,13 +197,16 @@ def _inner(value: Any, depth: int) -> tuple[Any, int] | None:
 
 def _visit(value: Any, tally: _Tally, depth: int, max_items: int, through: int = 0) -> float:
     """Add ``value`` to ``tally``; return the scale factor when only a sample of items was seen."""
-    if isinstance(value, torch.Tensor):
+    if issubclass(type(value), torch.Tensor):  # not isinstance: a dead weak proxy raises on __class__
         tally.tensor(value)
         tally.through |= through
         return 1.0
     if depth > _MAX_DEPTH or value is None or id(value) in tally.containers:
         return 1.0
-    inner = _inner(value, depth)
+    try:
+        inner = _inner(value, depth)
+    except Exception:  # noqa: BLE001 - a user object that fails to be looked into holds nothing here
+        return 1.0
     if inner is None:
         return 1.0
     tally.containers.add(id(value))

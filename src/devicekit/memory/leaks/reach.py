@@ -203,7 +203,10 @@ def find_paths(targets: dict[int, Any], roots: Iterable[Root], *, budget: int = 
     classes: list[type] = []
     for root in roots:
         value = root.get()
-        if value is MISSING or not _worth_visiting(value) and id(value) not in targets:
+        try:
+            if value is MISSING or not _worth_visiting(value) and id(value) not in targets:
+                continue
+        except Exception:  # noqa: BLE001 - a dead weak proxy, an object with an odd __class__
             continue
         queue.append((root, [], value))
     visited = 0
@@ -219,13 +222,16 @@ def find_paths(targets: dict[int, Any], roots: Iterable[Root], *, budget: int = 
         if len(edges) >= max_depth:
             continue
         cls = type(value)
-        if cls not in classes and is_user_class(cls) and not isinstance(value, type):
+        if cls not in classes and is_user_class(cls) and not issubclass(cls, type):
             classes.append(cls)
             queue.append((Root(cls.__name__, "class", (lambda c=cls: c)), [], cls))
-        for edge in children(value):
-            child = edge.value
-            if id(child) in seen:
-                continue
-            if id(child) in targets or _worth_visiting(child):
-                queue.append((root, [*edges, edge], child))
+        try:  # user objects run code here (__getattr__, dead weak proxies): never fail the loop
+            for edge in children(value):
+                child = edge.value
+                if id(child) in seen:
+                    continue
+                if id(child) in targets or _worth_visiting(child):
+                    queue.append((root, [*edges, edge], child))
+        except Exception:  # noqa: BLE001 - one object's odd behaviour ends only its own walk
+            continue
     return found
