@@ -66,10 +66,11 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
-from devicekit.modelparallel.chain import Chain, check_per_sample, to_chain
+from devicekit.modelparallel.chain import Chain, to_chain
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan
+from devicekit.modelparallel.per_sample import SampleCheck, check_per_sample
 from devicekit.modelparallel.recompute import (
     CHECKPOINT_MODES,
     checkpoint_stop,
@@ -79,6 +80,7 @@ from devicekit.modelparallel.recompute import (
 )
 from devicekit.modelparallel.schedule import bubble_fraction
 from devicekit.modelparallel.split import Balance, make_parts, resolve
+from devicekit.modelparallel.state_guard import StateGuard
 from devicekit.modelparallel.stays import StaysOnPlan
 from devicekit.modelparallel.worker import StageWorkers
 
@@ -120,6 +122,15 @@ def _refuse_repeated_batchnorm(layers: list[tuple[str, nn.Module]]) -> None:
                         "deferred_batch_norm=False or give each use its own BatchNorm"
                     )
                 seen[id(sub)] = name
+
+
+def _refuse_written_buffers(name: str, chunks: int, written: Sequence[str]) -> None:
+    """A buffer the forward writes (a step counter) would be written once per micro-batch."""
+    if written:
+        raise SplitError(
+            f"cannot pipeline {name} with chunks={chunks}: buffer {written[0]!r} is written in its forward, so "
+            f"run per micro-batch it would be updated {chunks} times per batch where the unsplit model updates "
+            "it once; use chunks=1 or dk.split(model, devices) (BatchNorm running statistics are handled)")
 
 
 @dataclass(frozen=True)
@@ -177,11 +188,15 @@ class Pipeline(StaysOnPlan):
         if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
             model = DeferredBatchNorm.convert(model)
         chain: Chain | None = None
+        found: SampleCheck | None = None
         if stages is not None or not (is_plain_sequential(model) or isinstance(model, nn.ModuleList)):
             chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
             if chunks > 1 and sample is not None:
-                check_per_sample(chain, sample)
-        layers, plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
+                found = check_per_sample(chain, sample)
+        with StateGuard(model) as guard:  # building leaves every buffer as it was
+            layers, plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
+        if chunks > 1:
+            _refuse_written_buffers(type(model).__name__, chunks, [*(found.written if found else ()), *guard.written])
         if deferred_batch_norm and chunks > 1:
             _refuse_repeated_batchnorm(layers)
         DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
@@ -191,6 +206,8 @@ class Pipeline(StaysOnPlan):
         # per-sample check runs on the first batch when no sample was given
         self._chains = [] if chain is None else [chain]
         self._unchecked = chain is not None and chunks > 1 and sample is None
+        # per output tensor, the dimension that holds the batch (an LSTM's h_n: 1); None: all 0
+        self._output_dims = found.output_dims if found is not None else None
         self._parts = parts
         self.plan = plan
         self.chunks = chunks
@@ -268,8 +285,10 @@ class Pipeline(StaysOnPlan):
         return outputs, busy
 
     def forward(self, x: Any) -> Any:
-        if self._unchecked:
-            check_per_sample(self._chains[0], x)  # once: a model that mixes samples is refused
+        if self._unchecked:  # once: a model that mixes samples or writes buffers is refused
+            found = check_per_sample(self._chains[0], x)
+            _refuse_written_buffers(type(self.module).__name__, self.chunks, found.written)
+            self._output_dims = found.output_dims
             self._unchecked = False
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
@@ -289,7 +308,7 @@ class Pipeline(StaysOnPlan):
             for bn in self._deferred:
                 bn.commit()
         self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(busy))
-        return gather(outputs)
+        return gather(outputs, self._output_dims)
 
     def close(self) -> None:
         """Stop the stage threads now (they also stop when the pipeline is garbage-collected).
