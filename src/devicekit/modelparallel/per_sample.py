@@ -104,6 +104,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _batch_dim(full: torch.Tensor, got: list[torch.Tensor], batch: int) -> int | None | bool:
     """The dimension the halves ``got`` join on to give ``full``; None: the same value for every
     half (a constant); False: neither (the op mixes samples)."""
+    if any(t.device.type == "meta" for t in (full, *got)):  # shapes only: the dimension of the batch's size
+        return next((d for d in (0, 1) if full.dim() > d and full.size(d) == batch), None)
     if all(_close(g, full) for g in got):
         return None
     for dim in (0, 1):
