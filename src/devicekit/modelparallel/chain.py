@@ -1,7 +1,8 @@
 """Turn any ``nn.Module`` into an equivalent chain of stages (an ``nn.Sequential``) to pipeline it.
 
 A pipeline needs a chain: stage ``j + 1`` takes what stage ``j`` returns. A model's forward is
-traced with ``torch.fx`` into a graph whose calls of submodules are kept whole (its units, as
+traced (:mod:`~devicekit.modelparallel.trace`: ``torch.fx``, grad-mode blocks and buffer writes
+kept) into a graph whose calls of submodules are kept whole (its units, as
 :mod:`~devicekit.modelparallel.module_units` finds them: ``blocks.0``, a ResNet block, ``lm_head``;
 or the modules named in ``stages``), and the graph is cut before each such call. Every stage
 takes the values live across its first cut (a skip connection's input, a mask, an int from
@@ -16,17 +17,16 @@ copied: gradients land in the model), so tied parameters used by two stages are 
   called (control flow *inside* a named module, or any module not containing one, is fine).
 * A forward that does not trace (data-dependent control flow in the model's own forward) is
   refused with the tracer's reason, offering ``stages=[...]`` or ``dk.split``.
-* Micro-batches must be independent: :func:`check_per_sample` runs a sample whole and in two
-  halves (eval mode, so BatchNorm uses running statistics) and names the first op whose result
-  on the halves is not the whole batch's, such as ``x - x.mean(0)``.
+* A cut inside a ``no_grad`` block: the stage after it switches grad off first, the stage before
+  it puts the caller's grad mode back at its end.
+* Micro-batches must be independent: :mod:`~devicekit.modelparallel.per_sample` checks it.
 
 Usage::
 
-    from devicekit.modelparallel.chain import to_chain, check_per_sample
+    from devicekit.modelparallel.chain import to_chain
 
     chain = to_chain(gpt)                          # nn.Sequential: wte, blocks_0, ..., lm_head
     chain = to_chain(gpt, stages=["wte", "blocks.2"])   # two stages
-    check_per_sample(chain, tokens)                # refuses ops that mix samples
     chain(tokens)                                  # == gpt(tokens)
 """
 

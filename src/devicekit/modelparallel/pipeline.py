@@ -7,7 +7,11 @@ The model is a chain of layers: an ``nn.Sequential``, or any module whose forwar
 A forward that does not trace is refused with the reason, offering ``stages`` or ``dk.split``.
 Like GPipe, the pipeline assumes samples are independent except in BatchNorm: for a traced model
 with ``chunks > 1`` this is checked on ``sample`` (or the first batch), and an op that mixes
-samples across the batch is refused by name.
+samples across the batch is refused by name (:mod:`~devicekit.modelparallel.per_sample`; an
+output with the batch on dimension 1, an LSTM's ``h_n``, is joined on it). Building never changes
+the model (:mod:`~devicekit.modelparallel.state_guard` puts back what profiling wrote), and with
+``chunks > 1`` a buffer the forward writes other than BatchNorm's (a step counter) is refused by
+name: per micro-batch it would be updated ``chunks`` times per batch.
 
 Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``i`` in its own
 worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
