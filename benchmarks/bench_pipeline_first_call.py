@@ -4,7 +4,8 @@ Run: ``.venv/bin/python benchmarks/bench_pipeline_first_call.py [ROUNDS]`` (abou
 2 cores; each measurement is a fresh process, since only a process's first call pays).
 
 In a fresh process: build a 3-layer MLP, then time its first training step (forward, backward)
-three ways, in turns so machine load hits all alike:
+three ways, in turns so machine load hits all alike (one intra-op thread each, as in
+``bench_pipeline.py``):
 
 * ``unsplit``: the model itself (the anchor: what a user pays without devicekit);
 * ``devicekit``: ``dk.Pipeline(model, ["cpu", "cpu"], chunks=4)``: stage threads start,
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 import devicekit as dk
 method = sys.argv[1]
+torch.set_num_threads(1)  # as bench_pipeline.py: intra-op threads would fight the loaded cores
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 x = torch.randn(32, 64)
