@@ -156,3 +156,24 @@ def test_grad_modes_it_cannot_cut_are_refused_by_name(model: type[nn.Module], re
     with pytest.raises(dk.SplitError, match=reason):
         dk.Pipeline(model(), ["cpu", "cpu"], chunks=2)
     assert torch.is_grad_enabled()
+
+
+class CountingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_sequential_writing_a_buffer_is_refused_on_its_first_call_unchanged() -> None:
+    model = nn.Sequential(CountingLayer(), nn.ReLU(), nn.Linear(6, 2))
+    with pytest.raises(dk.SplitError, match=r"buffer '0\.calls' is written"):
+        dk.Pipeline(model, ["cpu", "cpu"], chunks=2, sample=torch.randn(4, 6))
+    pipe = dk.Pipeline(model, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(dk.SplitError, match=r"buffer '0\.calls' is written"):
+        pipe(torch.randn(4, 6))
+    assert int(model[0].calls) == 0

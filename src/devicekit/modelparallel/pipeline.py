@@ -209,7 +209,7 @@ class Pipeline(StaysOnPlan):
         # the traced chain (not a registered submodule: state_dict keys stay "module.*"), whose
         # per-sample check runs on the first batch when no sample was given
         self._chains = [] if chain is None else [chain]
-        self._unchecked = chain is not None and chunks > 1 and sample is None
+        self._unchecked = chunks > 1 and sample is None
         # per output tensor, the dimension that holds the batch (an LSTM's h_n: 1); None: all 0
         self._output_dims = found.output_dims if found is not None else None
         self._parts = parts
@@ -288,11 +288,27 @@ class Pipeline(StaysOnPlan):
             return None
         return outputs, busy
 
+    def _written_by_forward(self, x: Any) -> list[str]:
+        """Buffers (BatchNorm's aside) one micro-batch writes, run without grad; put back after."""
+        first = scatter(x, self.chunks)[0]
+        try:
+            with StateGuard(self.module) as guard, torch.no_grad():
+                for j, device in enumerate(self.plan.devices):
+                    first = self._parts[j](move(first, device))
+        finally:
+            for bn in self._deferred:
+                bn.discard()
+        return guard.written
+
     def forward(self, x: Any) -> Any:
         if self._unchecked:  # once: a model that mixes samples or writes buffers is refused
-            found = check_per_sample(self._chains[0], x)
-            _refuse_written_buffers(type(self.module).__name__, self.chunks, found.written)
-            self._output_dims = found.output_dims
+            if self._chains:
+                found = check_per_sample(self._chains[0], x)
+                written = list(found.written)
+                self._output_dims = found.output_dims
+            else:
+                written = self._written_by_forward(x)
+            _refuse_written_buffers(type(self.module).__name__, self.chunks, written)
             self._unchecked = False
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
