@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
@@ -290,6 +291,9 @@ class Pipeline(StaysOnPlan):
 
     def _written_by_forward(self, x: Any) -> list[str]:
         """Buffers (BatchNorm's aside) one micro-batch writes, run without grad; put back after."""
+        if not any(b is not None for m in self.module.modules() if not isinstance(m, _BatchNorm)
+                   for b in m._buffers.values()):
+            return []  # no buffer to write: nothing to run
         first = scatter(x, self.chunks)[0]
         try:
             with StateGuard(self.module) as guard, torch.no_grad():
