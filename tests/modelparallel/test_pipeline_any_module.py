@@ -15,7 +15,8 @@ import torch
 from torch import fx, nn
 
 import devicekit as dk
-from devicekit.modelparallel.chain import Chain, check_per_sample, to_chain
+from devicekit.modelparallel.chain import Chain, to_chain
+from devicekit.modelparallel.per_sample import check_per_sample
 from tests.modelparallel.any_models import ANY_MODELS, GPT, ResNet, any_sample, loss_of, twin
 
 CASES = [(name, parts, chunks) for name, parts in [("net", 2), ("resnet", 2), ("resnet", 3), ("gpt", 2), ("gpt", 3)]

@@ -1,7 +1,8 @@
 """Turn any ``nn.Module`` into an equivalent chain of stages (an ``nn.Sequential``) to pipeline it.
 
 A pipeline needs a chain: stage ``j + 1`` takes what stage ``j`` returns. A model's forward is
-traced with ``torch.fx`` into a graph whose calls of submodules are kept whole (its units, as
+traced (:mod:`~devicekit.modelparallel.trace`: ``torch.fx``, grad-mode blocks and buffer writes
+kept) into a graph whose calls of submodules are kept whole (its units, as
 :mod:`~devicekit.modelparallel.module_units` finds them: ``blocks.0``, a ResNet block, ``lm_head``;
 or the modules named in ``stages``), and the graph is cut before each such call. Every stage
 takes the values live across its first cut (a skip connection's input, a mask, an int from
@@ -16,37 +17,38 @@ copied: gradients land in the model), so tied parameters used by two stages are 
   called (control flow *inside* a named module, or any module not containing one, is fine).
 * A forward that does not trace (data-dependent control flow in the model's own forward) is
   refused with the tracer's reason, offering ``stages=[...]`` or ``dk.split``.
-* Micro-batches must be independent: :func:`check_per_sample` runs a sample whole and in two
-  halves (eval mode, so BatchNorm uses running statistics) and names the first op whose result
-  on the halves is not the whole batch's, such as ``x - x.mean(0)``.
+* A cut inside a ``no_grad`` block: the stage after it switches grad off first, the stage before
+  it puts the caller's grad mode back at its end.
+* Micro-batches must be independent: :mod:`~devicekit.modelparallel.per_sample` checks it.
 
 Usage::
 
-    from devicekit.modelparallel.chain import to_chain, check_per_sample
+    from devicekit.modelparallel.chain import to_chain
 
     chain = to_chain(gpt)                          # nn.Sequential: wte, blocks_0, ..., lm_head
     chain = to_chain(gpt, stages=["wte", "blocks.2"])   # two stages
-    check_per_sample(chain, tokens)                # refuses ops that mix samples
     chain(tokens)                                  # == gpt(tokens)
 """
 
 from __future__ import annotations
 
-import inspect
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from devicekit.errors import InvalidValueError, SplitError
-from devicekit.modelparallel.microbatch import move, scatter
 from devicekit.modelparallel.module_units import find_units
-from devicekit.placement.walk import map_tensors
+from devicekit.modelparallel.trace import (
+    grad_mode_enter,
+    grad_mode_restore,
+    grad_regions,
+    trace_module,
+)
 
-__all__ = ["Chain", "to_chain", "check_per_sample"]
+__all__ = ["Chain", "to_chain"]
 
 
 class Chain(nn.Sequential):
@@ -56,55 +58,6 @@ class Chain(nn.Sequential):
         super().__init__(stages)
         object.__setattr__(self, "graph_module", graph)  # not a submodule: the stages hold the layers
         object.__setattr__(self, "model_name", model_name)
-
-
-class _Tracer(fx.Tracer):
-    def __init__(self, leaves: set[str] | None, opened: set[str]) -> None:
-        super().__init__()
-        self.leaves, self.opened = leaves, opened
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.opened:
-            return False
-        if self.leaves is None or module_qualified_name in self.leaves:
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-
-def _short(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 140 else text[:137] + "..."
-
-
-def _concrete_args(model: nn.Module) -> dict[str, Any]:
-    """Defaults of the forward's parameters after the first: a pipeline feeds one batch."""
-    params = list(inspect.signature(model.forward).parameters.values())
-    name = type(model).__name__
-    if not params:
-        raise SplitError(f"cannot pipeline {name}: its forward takes no input; a pipeline feeds it one batch")
-    concrete: dict[str, Any] = {}
-    for p in params[1:]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.default is inspect.Parameter.empty:
-            raise SplitError(
-                f"cannot pipeline {name}: its forward needs argument {p.name!r} besides the batch; a pipeline "
-                "feeds one batch: take a tuple or dict as the first argument, or use dk.split(model, devices)")
-        concrete[p.name] = p.default
-    return concrete
-
-
-def _trace(model: nn.Module, leaves: set[str] | None, opened: set[str]) -> fx.GraphModule:
-    try:
-        graph = _Tracer(leaves, opened).trace(model, concrete_args=_concrete_args(model) or None)
-    except (SplitError, InvalidValueError):
-        raise
-    except Exception as e:  # the tracer's reason, whatever raised it
-        raise SplitError(
-            f"cannot pipeline {type(model).__name__}: its forward does not trace into a chain of stages "
-            f"(torch.fx: {_short(e)}); pass stages=[...] naming submodules to cut before (control flow "
-            "inside them is fine), or use dk.split(model, devices), which runs any forward") from None
-    return fx.GraphModule(model, graph, class_name=type(model).__name__)
 
 
 def _check_names(model: nn.Module, stages: Any) -> list[str]:
@@ -133,11 +86,11 @@ def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
     if stages is None:
         units, _ = find_units(model)
         cut_at = {u.name for u in units}
-        gm = _trace(model, cut_at, set())
+        gm = trace_module(model, cut_at, set())
     else:
         cut_at = set(_check_names(model, stages))
         opened = {n.rsplit(".", i)[0] for n in cut_at for i in range(1, n.count(".") + 1)}
-        gm = _trace(model, None, opened | {""})
+        gm = trace_module(model, None, opened | {""})
     nodes = list(gm.graph.nodes)
     body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -169,10 +122,12 @@ def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
             last_use[used] = max(last_use.get(used, -1), position.get(n, len(body)))
     made: OrderedDict[str, nn.Module] = OrderedDict()
     inputs: list[fx.Node] = placeholders
+    regions = grad_regions(body)  # no_grad blocks open at each cut
     for k in range(len(starts)):
         a, b = bounds[k], bounds[k + 1]
         outputs = [v for v in (*placeholders, *body[:b]) if v in last_use and last_use[v] >= b] if k < len(starts) - 1 else []
-        stage = _stage(gm, body[a:b], inputs, outputs, out_node if k == len(starts) - 1 else None, first=k == 0)
+        stage = _stage(gm, body[a:b], inputs, outputs, out_node if k == len(starts) - 1 else None, first=k == 0,
+                       grad_at=(regions[a], regions[b]))
         called = [n.target for n in body[a:b] if n.op == "call_module"]
         key = str(called[0] if called else "input").replace(".", "_")
         while key in made:
@@ -183,7 +138,10 @@ def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
 
 
 def _stage(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
-           out_node: fx.Node | None, *, first: bool) -> fx.GraphModule:
+           out_node: fx.Node | None, *, first: bool, grad_at: tuple[list[bool], list[bool]]) -> fx.GraphModule:
+    """One stage's graph. ``grad_at``: grad modes of the blocks open at its start and at its end;
+    a stage that starts inside ``no_grad`` switches grad off first, and one that ends inside it
+    puts the caller's mode back (its thread runs the next stage, or the caller goes on)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if first:
@@ -192,6 +150,10 @@ def _stage(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outp
         live = graph.placeholder("live")
         for i, v in enumerate(inputs):
             env[v] = graph.call_function(operator.getitem, (live, i))
+    open_start, open_end = grad_at
+    entry = None
+    if open_start or open_end:
+        entry = graph.call_function(grad_mode_enter, (open_start[-1] if open_start else None,))
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env and n.op == "get_attr":  # parameters and constants: read where used
@@ -200,110 +162,10 @@ def _stage(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outp
 
     for n in nodes:
         env[n] = graph.node_copy(n, lookup)
+    if open_end:
+        graph.call_function(grad_mode_restore, (entry,))
     if out_node is not None:
         graph.output(fx.map_arg(out_node.args[0], lookup))
     else:
         graph.output(tuple(env[v] for v in outputs))
     return fx.GraphModule(gm, graph, class_name="Stage")
-
-
-def _what(node: fx.Node) -> str:
-    if node.op == "call_module":
-        return f"module {node.target!r}"
-    if node.op == "call_method":
-        return f"method .{node.target}() (node {node.name!r})"
-    target = getattr(node.target, "__name__", str(node.target))
-    return f"op {target} (node {node.name!r})"
-
-
-def _record(gm: fx.GraphModule, x: Any) -> dict[fx.Node, Any]:
-    values: dict[fx.Node, Any] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            if n.op in ("call_module", "call_function", "call_method"):
-                # the stages may already be on their devices: move each op's inputs to one
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                device = _device_of(self.fetch_attr(str(n.target))) if n.op == "call_module" else None
-                found = _leaves((args, kwargs))
-                device = device or (found[0].device if found else None)
-                if device is not None:
-                    args, kwargs = move((args, kwargs), device)
-                out = getattr(self, n.op)(n.target, args, kwargs)
-            else:
-                out = super().run_node(n)
-            values[n] = out
-            return out
-
-    Recorder(gm).run(x)
-    return values
-
-
-def _device_of(module: nn.Module) -> torch.device | None:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return None
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_tensors(value, lambda t: found.append(t) or t)
-    return found
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.device.type == "meta" or b.device.type == "meta":
-        return True  # no values to compare (a plan on the meta device)
-    b = b.to(a.device)
-    if a.is_floating_point() or a.is_complex():
-        return torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
-    return torch.equal(a, b)
-
-
-def check_per_sample(chain: Chain, sample: Any) -> None:
-    """Refuse a model where an op mixes samples across dimension 0 (a sum over the batch, ...).
-
-    Runs ``sample`` whole and in two halves, in eval mode without grad (BatchNorm, whose
-    training statistics DeferredBatchNorm handles, then treats samples alone), and names the
-    first op whose outputs on the halves are neither the whole batch's halves nor the same value
-    (a mask). Ops whose results differ between two whole runs (random draws) are not judged."""
-    gm = chain.graph_module
-    try:
-        halves = scatter(sample, 2)
-    except InvalidValueError:
-        return
-    if len(halves) < 2 or gm.graph is None:
-        return
-    modes = {id(m): (m, m.training) for m in gm.modules()}
-    try:
-        gm.eval()
-        with torch.no_grad():
-            whole, again = _record(gm, sample), _record(gm, sample)
-            parts = [_record(gm, h) for h in halves]
-    finally:
-        for m, mode in modes.values():
-            m.training = mode
-    batch = _leaves(halves[0])[0].size(0) + _leaves(halves[1])[0].size(0)
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr") or n not in whole:
-            continue
-        full, twice = _leaves(whole[n]), _leaves(again[n])
-        pieces = [_leaves(p[n]) for p in parts]
-        if len(full) != len(twice) or any(not _close(f, t) for f, t in zip(full, twice, strict=True)):
-            continue  # random draws: nothing to compare
-        for i, f in enumerate(full):
-            got = [p[i] for p in pieces if i < len(p)]
-            if len(got) != len(pieces):
-                break
-            if all(_close(g, f) for g in got):
-                continue  # the same for every micro-batch: a constant such as a mask
-            if f.dim() >= 1 and f.size(0) == batch and all(g.dim() == f.dim() for g in got):
-                joined = torch.cat(got) if all(g.shape[1:] == f.shape[1:] for g in got) else None
-                if joined is not None and _close(joined, f):
-                    continue
-            raise SplitError(
-                f"cannot pipeline {chain.model_name}: {_what(n)} mixes samples across the batch (its result "
-                "on micro-batches differs from the whole batch's); a pipeline, like GPipe, needs samples to "
-                "be independent except in BatchNorm: use chunks=1 or dk.split(model, devices)")

@@ -32,6 +32,7 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+from devicekit.modelparallel.state_guard import StateGuard
 from devicekit.placement.walk import map_tensors
 
 __all__ = ["LayerCost", "optimizer_factor", "profile_layers", "sequential_layers"]
@@ -144,7 +145,8 @@ def _prepare_input(x: Any, device: torch.device | None) -> Any:
         if device is not None and t.device != device:
             t = torch.empty_like(t, device=device) if device.type == "meta" else t.to(device)
         if t.is_floating_point() or t.is_complex():
-            t.requires_grad_(True)
+            # a non-leaf copy: a layer working in place (ReLU(inplace=True)) may write its input
+            t = t.requires_grad_(True).clone()
         return t
 
     return map_tensors(x, fix)
@@ -210,16 +212,11 @@ def profile_layers(
             "balance='time' needs real parameters and a real sample to time; pass sample=... "
             "or use balance='size' (works on the meta device)"
         )
-    snapshot = {
-        id(b): b.detach().clone() for _, layer in layers for b in layer.buffers() if b.device.type != "meta"
-    }
     modes = {id(m): (m, m.training) for _, layer in layers for m in layer.modules()}
     counted: set[int] = set()
     x = sample
-    cuda = sorted({d.index or 0 for _, layer in layers if (d := _layer_device(layer)) is not None
-                   and d.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=cuda):
+        with StateGuard([layer for _, layer in layers]):  # buffers, RNG: as they were
             for _, layer in layers:
                 layer.train(training)
             costs = _profile(layers, x, counted, on_meta, measure_time, repeat)
@@ -228,12 +225,6 @@ def profile_layers(
             module.training = mode
             if isinstance(module, DeferredBatchNorm):
                 module.discard()  # what profiling tracked is no mini-batch of the user's
-        for _, layer in layers:  # restore running statistics touched by profiling
-            for b in layer.buffers():
-                saved_copy = snapshot.get(id(b))
-                if saved_copy is not None:
-                    with torch.no_grad():
-                        b.copy_(saved_copy)
     return costs
 
 

@@ -7,7 +7,11 @@ The model is a chain of layers: an ``nn.Sequential``, or any module whose forwar
 A forward that does not trace is refused with the reason, offering ``stages`` or ``dk.split``.
 Like GPipe, the pipeline assumes samples are independent except in BatchNorm: for a traced model
 with ``chunks > 1`` this is checked on ``sample`` (or the first batch), and an op that mixes
-samples across the batch is refused by name.
+samples across the batch is refused by name (:mod:`~devicekit.modelparallel.per_sample`; an
+output with the batch on dimension 1, an LSTM's ``h_n``, is joined on it). Building never changes
+the model (:mod:`~devicekit.modelparallel.state_guard` puts back what profiling wrote), and with
+``chunks > 1`` a buffer the forward writes other than BatchNorm's (a step counter) is refused by
+name: per micro-batch it would be updated ``chunks`` times per batch.
 
 Each batch is cut into ``chunks`` micro-batches; stage ``j`` runs micro-batch ``i`` in its own
 worker thread as soon as stage ``j - 1`` has finished it (GPipe's clock order: at tick ``k``
@@ -63,14 +67,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
-from devicekit.modelparallel.chain import Chain, check_per_sample, to_chain
+from devicekit.modelparallel.chain import Chain, to_chain
 from devicekit.modelparallel.layer_plan import Balance, make_parts, resolve
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan
+from devicekit.modelparallel.per_sample import SampleCheck, check_per_sample
 from devicekit.modelparallel.recompute import (
     CHECKPOINT_MODES,
     checkpoint_stop,
@@ -79,6 +85,7 @@ from devicekit.modelparallel.recompute import (
     generator_states,
 )
 from devicekit.modelparallel.schedule import bubble_fraction
+from devicekit.modelparallel.state_guard import StateGuard
 from devicekit.modelparallel.stays import StaysOnPlan
 from devicekit.modelparallel.worker import StageWorkers
 
@@ -120,6 +127,15 @@ def _refuse_repeated_batchnorm(layers: list[tuple[str, nn.Module]]) -> None:
                         "deferred_batch_norm=False or give each use its own BatchNorm"
                     )
                 seen[id(sub)] = name
+
+
+def _refuse_written_buffers(name: str, chunks: int, written: Sequence[str]) -> None:
+    """A buffer the forward writes (a step counter) would be written once per micro-batch."""
+    if written:
+        raise SplitError(
+            f"cannot pipeline {name} with chunks={chunks}: buffer {written[0]!r} is written in its forward, so "
+            f"run per micro-batch it would be updated {chunks} times per batch where the unsplit model updates "
+            "it once; use chunks=1 or dk.split(model, devices) (BatchNorm running statistics are handled)")
 
 
 @dataclass(frozen=True)
@@ -177,11 +193,15 @@ class Pipeline(StaysOnPlan):
         if deferred_batch_norm and chunks > 1:  # in the model itself, so model.eval() reaches them
             model = DeferredBatchNorm.convert(model)
         chain: Chain | None = None
+        found: SampleCheck | None = None
         if stages is not None or not (is_plain_sequential(model) or isinstance(model, nn.ModuleList)):
             chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
             if chunks > 1 and sample is not None:
-                check_per_sample(chain, sample)
-        layers, plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
+                found = check_per_sample(chain, sample)
+        with StateGuard(model) as guard:  # building leaves every buffer as it was
+            layers, plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
+        if chunks > 1:
+            _refuse_written_buffers(type(model).__name__, chunks, [*(found.written if found else ()), *guard.written])
         if deferred_batch_norm and chunks > 1:
             _refuse_repeated_batchnorm(layers)
         DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
@@ -190,7 +210,9 @@ class Pipeline(StaysOnPlan):
         # the traced chain (not a registered submodule: state_dict keys stay "module.*"), whose
         # per-sample check runs on the first batch when no sample was given
         self._chains = [] if chain is None else [chain]
-        self._unchecked = chain is not None and chunks > 1 and sample is None
+        self._unchecked = chunks > 1 and sample is None
+        # per output tensor, the dimension that holds the batch (an LSTM's h_n: 1); None: all 0
+        self._output_dims = found.output_dims if found is not None else None
         self._parts = parts
         self.plan = plan
         self.chunks = chunks
@@ -267,9 +289,30 @@ class Pipeline(StaysOnPlan):
             return None
         return outputs, busy
 
+    def _written_by_forward(self, x: Any) -> list[str]:
+        """Buffers (BatchNorm's aside) one micro-batch writes, run without grad; put back after."""
+        if not any(b is not None for m in self.module.modules() if not isinstance(m, _BatchNorm)
+                   for b in m._buffers.values()):
+            return []  # no buffer to write: nothing to run
+        first = scatter(x, self.chunks)[0]
+        try:
+            with StateGuard(self.module) as guard, torch.no_grad():
+                for j, device in enumerate(self.plan.devices):
+                    first = self._parts[j](move(first, device))
+        finally:
+            for bn in self._deferred:
+                bn.discard()
+        return guard.written
+
     def forward(self, x: Any) -> Any:
-        if self._unchecked:
-            check_per_sample(self._chains[0], x)  # once: a model that mixes samples is refused
+        if self._unchecked:  # once: a model that mixes samples or writes buffers is refused
+            if self._chains:
+                found = check_per_sample(self._chains[0], x)
+                written = list(found.written)
+                self._output_dims = found.output_dims
+            else:
+                written = self._written_by_forward(x)
+            _refuse_written_buffers(type(self.module).__name__, self.chunks, written)
             self._unchecked = False
         batches = scatter(x, self.chunks)
         m, n = len(batches), len(self._parts)
@@ -289,7 +332,7 @@ class Pipeline(StaysOnPlan):
             for bn in self._deferred:
                 bn.commit()
         self.last_run = PipelineRun(m, n, time.perf_counter() - start, tuple(busy))
-        return gather(outputs)
+        return gather(outputs, self._output_dims)
 
     def close(self) -> None:
         """Stop the stage threads now (they also stop when the pipeline is garbage-collected).

@@ -1,7 +1,9 @@
 """Activation checkpointing for pipeline micro-batches: drop activations, recompute on backward.
 
-A thin layer over :func:`torch.utils.checkpoint.checkpoint` (non-reentrant, RNG state
-preserved, so dropout draws the same mask twice) that also tells layers whether they are running
+torch's non-reentrant checkpoint scheme (saved-tensor hooks; RNG states, grad and autocast
+modes preserved, so dropout draws the same mask twice), written out here because
+``torch.utils.checkpoint`` imports ``torch._dynamo`` on its first call (about a second, most of
+a pipeline's first training call); it also tells layers whether they are running
 for the first time or being recomputed during backward: :func:`is_recomputing` lets
 :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` count a micro-batch's statistics once.
 
@@ -21,10 +23,12 @@ Usage::
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from devicekit.errors import SplitError
@@ -92,10 +96,82 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
             ))
         return out
 
-    out = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+    out = _recomputed_on_backward(body, x)
     if failure:
         raise failure[0]
     return out
+
+
+class _Slot:
+    """Stands for one tensor the forward saved for backward; the recomputed tensor is keyed by it."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _autocast_modes() -> list[tuple[str, bool, torch.dtype]]:
+    kinds = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+
+
+def _recomputed_on_backward(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)`` keeping none of the tensors autograd saves; backward recomputes them.
+
+    torch's non-reentrant scheme (saved-tensor hooks: each saved tensor becomes a slot, the first
+    unpack reruns ``fn`` with the forward's RNG states, grad and autocast modes and fills every
+    slot in order), without ``torch.utils.checkpoint``, whose first call imports ``torch._dynamo``
+    (about a second; most of a pipeline's first call)."""
+    devices = sorted({t.device.index or 0 for t in _leaf_tensors(x) if t.is_cuda})
+    cpu_state = torch.get_rng_state()
+    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+    autocast = _autocast_modes()
+    slots: list[weakref.ref[_Slot]] = []
+    found: weakref.WeakKeyDictionary[_Slot, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    def pack(t: torch.Tensor) -> _Slot:
+        slot = _Slot()
+        slots.append(weakref.ref(slot))
+        return slot
+
+    def unpack(slot: _Slot) -> torch.Tensor:
+        if slot not in found:
+            _recompute()
+        if slot not in found:
+            raise SplitError("a checkpointed part's recomputation saved different tensors than its forward "
+                             "(the forward depends on state that changed since): use checkpoint='never'")
+        return found[slot]
+
+    def _recompute() -> None:
+        index = 0
+
+        def refill(t: torch.Tensor) -> None:
+            nonlocal index
+            slot = slots[index]() if index < len(slots) else None
+            index += 1
+            if slot is not None:
+                found[slot] = t.detach()
+
+        def never(_: None) -> torch.Tensor:
+            raise SplitError("backward reached a tensor of a checkpointed part's recomputation; "
+                             "double backward through a checkpointed part is not supported: use checkpoint='never'")
+
+        with torch.random.fork_rng(devices=devices), ExitStack() as stack:
+            torch.set_rng_state(cpu_state)
+            for device, state in zip(devices, cuda_states, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            stack.enter_context(torch.enable_grad())
+            for kind, enabled, dtype in autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(refill, never))
+            fn(x)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(x)
+
+
+def _leaf_tensors(x: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(x, lambda t: found.append(t) or t)
+    return found
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,15 @@ def _list_subclass(walk: Walk, obj: list[Any]) -> Any:
     if found is None:
         found = copy.copy(obj)  # keeps the subclass and its attributes
         walk.memo[id(obj)] = found
-        found[:] = [walk(x) for x in obj]
+        items = [walk(x) for x in obj]
+        try:
+            found[:] = items
+        except TypeError:  # an immutable list (torch.fx's immutable_list, node args): build anew
+            try:
+                found = type(obj)(items)
+            except TypeError:
+                found = items
+            walk.memo[id(obj)] = found
     return found
 
 

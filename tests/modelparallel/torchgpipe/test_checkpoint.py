@@ -1,6 +1,6 @@
 """Port of torchgpipe tests/test_checkpoint.py to devicekit.modelparallel.recompute.
 
-devicekit checkpoints with torch's own non-reentrant checkpoint; :func:`checkpointed` adds the
+devicekit checkpoints with torch's non-reentrant scheme (saved-tensor hooks, written out in recompute.py); :func:`checkpointed` adds the
 recomputation flag (:func:`is_recomputing`) and the in-place check. torchgpipe's own
 Checkpointing class, fork/join phonies and ``is_checkpointing`` have no counterpart here.
 """
