@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 
 from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
+from devicekit.hardware.printable import printable
 from devicekit.launch.allocation import Allocation, allocate
 from devicekit.launch.request import TORCHRUN_ENTRY, RunPlan, RunRequest
 from devicekit.launch.run_world import World, asked_procs, resolve_world
@@ -173,7 +174,7 @@ def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
     plan = plan_run(request)
     try:
         for line in plan.notes:
-            echo(line)
+            echo(printable(line))  # notes quote other users' commands
         return execute(plan)
     finally:
         plan.allocation.release()

@@ -24,7 +24,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from devicekit.errors import CheckpointError
