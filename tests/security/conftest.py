@@ -66,3 +66,6 @@ def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
                               capture_output=True, text=True, timeout=timeout, **kwargs)
 
     return run
+
+
+from tests.hardware.conftest import spawn, wait_line  # noqa: E402,F401  (shared fixtures)
