@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
+from devicekit.launch.process_tree import ProcessTree
 
 if TYPE_CHECKING:
     from devicekit.launch.request import RunPlan
@@ -38,11 +39,20 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def execute(plan: RunPlan) -> int:
-    """Start the plan's command, forward signals to its process group, wait; its exit code."""
+    """Start the plan's command, forward signals to its process group, wait; its exit code.
+
+    Every process the command leaves behind, daemons included, is stopped before this returns
+    (:mod:`devicekit.launch.process_tree`), so the leases end with the last of them.
+    """
+    with ProcessTree() as tree:
+        return _execute(plan, tree.env())
+
+
+def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
     try:
         child = subprocess.Popen(
             plan.argv,
-            env=plan.env,
+            env={**plan.env, **marker},
             pass_fds=plan.allocation.lease_fds,
             preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
         )
