@@ -162,6 +162,7 @@ def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
             (_power_cell(gpu), ""),
             _speed_cell(cap),
             (_users(gpu), ""),
+            ("blocked", "bold red") if gpu.uuid in report.blocked else
             (_lease_cell([r for r in grouped.get(gpu.uuid, []) if r.gpu_uuid == gpu.uuid]), ""),
         ])
         rows.extend(_mig_rows(gpu, grouped.get(gpu.uuid, [])))
@@ -296,8 +297,9 @@ def _lease_table(report: StatusReport, now: float) -> Any:
     table.add_column("Memory", justify="right")
     table.add_column("Command", overflow="ellipsis")
     for gpu_label, r in labelled:
+        stopped = report.stopped.get(r.pid)
         table.add_row(Text(printable(gpu_label)), Text(printable(r.user)), Text(printable(r.host)),
-                      str(r.pid), _age(now - r.since),
+                      str(r.pid) + (" stopped" if stopped is not None else ""), _age(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
                       Text(_short(r.command) if r.kind == "lease"

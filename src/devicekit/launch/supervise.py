@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
+from devicekit.hardware.stopped_jobs import StopMarker
 from devicekit.launch.process_tree import ProcessTree
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
     # torchrun starts each rank in a session of its own: the ranks are not in the child's
     # process group, so remember the child's descendants to stop any it leaves behind
     family = _Descendants(child.pid)
+    marker = _stop_marker(plan)
     ticks = 0
     with _terminal_given_to(child.pid), _handlers(forward):
         while True:
@@ -82,12 +84,14 @@ def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
                 break
             except subprocess.TimeoutExpired:
                 ticks += 1
+                marker.update(child.pid)  # Ctrl-Z: status tells since when the job is stopped
                 if ticks % 5 == 1:
                     family.update()
                 if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
+    marker.clear()
     _reap_group(child.pid)
     family.stop_survivors()
     if code < 0:
@@ -98,6 +102,15 @@ def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
         return 128 + signals[0]
     return code
 
+
+
+def _stop_marker(plan: RunPlan) -> StopMarker:
+    """The stopped-job marker in the lease directory, for a run that holds leases."""
+    if not plan.allocation.lease_fds:
+        return StopMarker(None)
+    from devicekit.hardware.lease_directory import lease_dir
+
+    return StopMarker(lease_dir())
 
 
 def _child_setup() -> None:
