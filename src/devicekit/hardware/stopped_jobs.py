@@ -1,8 +1,8 @@
 """Stopped jobs (Ctrl-Z, SIGSTOP) that hold GPUs: found from /proc, and since when.
 
 Ctrl-Z stops the command's process group, not ``devicekit run`` (which keeps its leases), so a
-lease's job is *stopped* when the processes under the lease's holder are all stopped (state
-``T`` or ``t`` in ``/proc/<pid>/stat``). ``devicekit run`` notes the moment it first sees its
+lease's job is *stopped* when a process under the lease's holder is stopped (state ``T`` or
+``t`` in ``/proc/<pid>/stat``). ``devicekit run`` notes the moment it first sees its
 command stopped in a small marker file in the lease directory (``.stopped.<run pid>``, removed
 when the command resumes or ends), which ``devicekit status`` reads to say since when.
 
@@ -54,7 +54,11 @@ def _children(pid: int) -> list[int]:
 
 
 def job_stopped(holder: int) -> bool:
-    """Whether the job under ``holder`` (its descendants, or itself if it has none) is stopped."""
+    """Whether the job under ``holder`` (its descendants, or itself if it has none) is stopped.
+
+    One stopped process is enough: a job with a stopped process (a rank, the command) makes no
+    progress while it holds its GPUs.
+    """
     todo, seen = _children(holder), set()
     while todo:
         pid = todo.pop()
@@ -63,7 +67,7 @@ def job_stopped(holder: int) -> bool:
             todo.extend(_children(pid))
     states = [process_state(p) for p in (seen or {holder})]
     states = [s for s in states if s is not None and s not in ("Z", "X")]
-    return bool(states) and all(s in _STOPPED for s in states)
+    return any(s in _STOPPED for s in states)
 
 
 def marker_path(directory: Path, holder: int) -> Path:
