@@ -29,6 +29,7 @@ from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
 from devicekit.hardware.printable import printable
 from devicekit.launch.allocation import Allocation, allocate
+from devicekit.launch.preflight import check_command, check_request
 from devicekit.launch.request import TORCHRUN_ENTRY, RunPlan, RunRequest
 from devicekit.launch.run_world import World, asked_procs, resolve_world
 from devicekit.launch.supervise import execute
@@ -51,6 +52,7 @@ _STALE = (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
 def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
     """Check the flags, lease the GPUs and build the command line (nothing is started yet)."""
     environ = dict(os.environ if environ is None else environ)
+    check_request(request, environ)  # a flag without its value: one line, nothing leased
     world = resolve_world(request, environ)  # before any lease: a typo must not wait for it
     gpus, procs = _counts(request, world)
     allocation = allocate(
@@ -171,6 +173,8 @@ def _torchrun_note(world: World, nprocs: int) -> str:
 def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
     """Plan, say what was chosen (``echo``, stderr by default), run, release; the exit code."""
     echo = echo or (lambda line: print(f"devicekit run: {line}", file=sys.stderr, flush=True))
+    if request.command:
+        check_command(request.command)  # before leasing: exit 127, not torchrun's traceback
     plan = plan_run(request)
     try:
         for line in plan.notes:
