@@ -136,45 +136,6 @@ def test_lease_dir_created_sticky_world_writable(tmp_path, monkeypatch):
     assert stat.S_IMODE(target.stat().st_mode) == 0o1777
 
 
-def test_lease_dir_refuses_symlink(tmp_path, monkeypatch):
-    real = tmp_path / "real"
-    real.mkdir()
-    (tmp_path / "link").symlink_to(real)
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path / "link"))
-    with pytest.raises(LeaseError, match=r"link'.* is a symlink"):
-        lease_dir()
-
-
-def test_lease_dir_refuses_file_and_unsticky(tmp_path, monkeypatch):
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path / "file"))
-    with pytest.raises(LeaseError, match="not a directory"):
-        lease_dir()
-    loose = tmp_path / "loose"
-    loose.mkdir()
-    loose.chmod(0o777)
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(loose))
-    with pytest.raises(LeaseError, match=r"chmod \+t"):
-        lease_dir()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a directory to another user")
-def test_lease_dir_refuses_other_users_directory(tmp_path, monkeypatch):
-    other = tmp_path / "other"
-    other.mkdir(mode=0o1777)
-    os.chown(other, 54321, 54321)
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(other))
-    with pytest.raises(LeaseError, match="owned by 54321"):
-        lease_dir()
-
-
-def test_symlinked_lock_file_refused():
-    os.symlink("/etc/hostname", lease_dir() / ".lock")
-    with pytest.raises(LeaseError, match=r"\.lock"):
-        with directory_lock():
-            pass
-
-
 def test_leases_work_across_processes_with_env_dir(tmp_path):
     env = child_env(DEVICEKIT_LEASE_DIR=str(tmp_path / "shared"))
     code = "from devicekit.hardware.leases import read_leases; print(len(read_leases()))"
@@ -182,88 +143,6 @@ def test_leases_work_across_processes_with_env_dir(tmp_path):
                          timeout=30, check=True).stdout
     assert out.strip() == "0"
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o1777
-
-
-OTHER_USER = """
-import json, os, sys, time
-from devicekit.errors import LeaseError
-from devicekit.hardware.leases import Lease, lease_dir, read_leases
-os.setgid(65534)
-os.setuid(65534)  # from here on this process is another, unprivileged user
-out = {"seen": [(r.gpu_uuid, r.user) for r in read_leases()]}
-theirs = [n for n in os.listdir(lease_dir()) if n.endswith(".lease")][0]
-try:
-    os.unlink(lease_dir() / theirs)
-    out["unlink"] = "deleted"
-except PermissionError:
-    out["unlink"] = "refused"
-try:
-    Lease.acquire(["GPU-root"])
-    out["hijack"] = "taken"
-except LeaseError:
-    out["hijack"] = "refused"
-mine = Lease.acquire(["GPU-other"])
-print(json.dumps(out), flush=True)
-time.sleep(60)
-"""
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
-def test_two_users_share_a_root_owned_directory(spawn, monkeypatch):
-    import pwd
-    import shutil
-    import tempfile
-
-    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
-    try:
-        os.chmod(directory, 0o1777)
-        monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
-        with Lease.acquire(["GPU-root"]):
-            proc = spawn(OTHER_USER)
-            result = json.loads(wait_line(proc, timeout=30))
-            me = pwd.getpwuid(os.geteuid()).pw_name
-            assert result == {"seen": [["GPU-root", me]], "unlink": "refused", "hijack": "refused"}
-            other = pwd.getpwuid(65534).pw_name if _has_uid(65534) else "65534"
-            assert [(r.gpu_uuid, r.user) for r in read_leases()] == [
-                ("GPU-root", me), ("GPU-other", other)]
-            proc.kill()
-            proc.wait(timeout=10)
-            assert [r.gpu_uuid for r in read_leases()] == ["GPU-root"]
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _has_uid(uid: int) -> bool:
-    import pwd
-
-    try:
-        pwd.getpwuid(uid)
-        return True
-    except KeyError:
-        return False
-
-
-def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
-    """The owner of a live lease can rename a FIFO over it between a reader's probe and its
-    read; opening that FIFO for reading would block select_gpus under the directory lock."""
-    import threading
-
-    from devicekit.hardware import lease_records as leases_module
-
-    path = lease_dir()
-    fifo = path / "GPU-x.1.abc.lease"
-    os.mkfifo(fifo)
-    info = os.stat(fifo)
-    result: list[object] = []
-    reader = threading.Thread(target=lambda: result.append(
-        leases_module._read_record(fifo, info)), daemon=True)
-    reader.start()
-    reader.join(timeout=2)
-    if reader.is_alive():  # unblock the reader so the test process can end
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(timeout=2)
-        pytest.fail("reading a FIFO lease blocked")
-    assert result == [None]
 
 
 def test_lease_file_is_private_until_locked(monkeypatch):
