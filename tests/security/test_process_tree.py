@@ -106,3 +106,33 @@ def test_process_tree_spares_the_callers_own_children():
     finally:
         mine.kill()
         mine.wait(timeout=10)
+
+
+HOLD_AND_EXIT = """
+import os, sys, time
+from devicekit.hardware.leases import Lease
+lease = Lease.acquire(["GPU-a"], command="python train.py")
+child = os.fork()
+if child == 0:                       # inherits the locked lease file: the GPU stays held
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+os._exit(0)                          # the pid the lease names is gone
+"""
+
+
+def test_holder_named_is_the_live_process_not_the_dead_one(spawn):
+    from devicekit.hardware.lease_records import read_leases as records
+
+    proc = spawn(HOLD_AND_EXIT)
+    survivor = int(proc.stdout.readline())
+    proc.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (record,) = records()
+        assert record.pid == survivor and _alive(record.pid)
+        assert record.gpu_uuid == "GPU-a"
+    finally:
+        _kill([survivor])
