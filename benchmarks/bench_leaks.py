@@ -9,22 +9,32 @@ not count) and the ratio to the plain loop measured in the same run:
   and on a leaky loop (a list grows every step: the line tracer runs on every step)
 - torch.distributed._tools.mem_tracker.MemTracker (PyTorch's own tracker)
 - pytorch_memlab MemReporter, reporting once per step (how it is used to watch a loop)
+- the previous LeakDetector (fixed roots only, before it started from the memory), from git
+  ref ``--previous`` (default ``1e453dc``), timed in a subprocess in the same rounds
+- a small CNN (conv 3-16-32, 32x32 images, batch 32, SGD) for the detector's main variants,
+  and a leaky loop where a forward hook is registered every step (found from the memory)
 
-Run: python benchmarks/bench_leaks.py  (about a minute on a 2-core CPU)
+Run: python benchmarks/bench_leaks.py  (a few minutes on a loaded 2-core CPU)
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
 import platform
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's devicekit
+ROOT = Path(__file__).resolve().parents[1]
+if "--as-previous" not in sys.argv:
+    sys.path.insert(0, str(ROOT / "src"))  # this checkout's devicekit
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -33,6 +43,7 @@ import devicekit as dk  # noqa: E402
 
 STEPS = 80
 SLOW_STEPS = 8  # for the trackers that cost 30x and more
+CNN_STEPS = 20
 REPEATS = 4
 
 
@@ -101,7 +112,8 @@ def detector_leaky(steps: int) -> float:
             kept.append(train_step(model, opt, x, y).detach())
             ld.step()
     elapsed = time.process_time() - began
-    assert steps < 6 or ld.report().leak("kept") is not None
+    report = ld.report()  # detached scalar losses: slow growth (report.minor), traced like a leak
+    assert steps < 6 or "kept" in [leak.holder for leak in (*report.leaks, *report.minor)], report
     return elapsed
 
 
@@ -136,8 +148,94 @@ def memlab(steps: int) -> float:
 
 
 
-def main() -> None:
+def cnn_setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt, torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+
+
+def cnn(with_detector: bool, lines: bool = False) -> Callable[[int], float]:
+    def run(steps: int) -> float:
+        model, opt, x, y = cnn_setup()
+        total = 0.0
+        began = time.process_time()
+        if with_detector:
+            with dk.LeakDetector(lines=lines) as ld:
+                for _ in range(steps):
+                    total += train_step(model, opt, x, y).item()
+                    ld.step()
+            assert ld.report().ok, ld.report()
+        else:
+            for _ in range(steps):
+                total += train_step(model, opt, x, y).item()
+        return time.process_time() - began
+
+    return run
+
+
+def hook_leak(with_detector: bool) -> Callable[[int], float]:
+    """A forward hook registered every step, each keeping an activation: found from the memory."""
+
+    def run(steps: int) -> float:
+        model, opt, x, y = setup()
+        began = time.process_time()
+        ld = dk.LeakDetector(lines=True) if with_detector else None
+        if ld is not None:
+            ld.start()
+        for _ in range(steps):
+            feats: list[torch.Tensor] = []
+            model[1].register_forward_hook(lambda m, i, o, feats=feats: feats.append(o.detach()))
+            train_step(model, opt, x, y)
+            if ld is not None:
+                ld.step()
+        elapsed = time.process_time() - began
+        if ld is not None:
+            report = ld.report()
+            ld.stop()
+            assert steps < 6 or report.leak("model.1._forward_hooks") is not None, report
+        return elapsed
+
+    return run
+
+
+def previous_detector(ref: str) -> Callable[[int], float] | None:
+    """The previous LeakDetector, from git ``ref``, timed in a subprocess (same rounds)."""
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "src/devicekit"],
+                                 capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"previous LeakDetector skipped: git archive {ref} failed ({err})")
+        return None
+    folder = tempfile.mkdtemp(prefix="dk-previous-")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+
+    def run(steps: int) -> float:
+        out = subprocess.run([sys.executable, __file__, "--as-previous", str(Path(folder) / "src"),
+                              "--steps", str(steps)], capture_output=True, text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+def as_previous(src: str, steps: int) -> None:
+    """Subprocess entry: time the detector of another checkout (its ``src``) on the MLP."""
+    sys.path.insert(0, src)
+    global dk
+    import devicekit
+
+    dk = devicekit
     torch.set_num_threads(1)
+    detector(False, True)(3)
+    print(detector(False, True)(steps))
+
+
+def main(previous_ref: str) -> None:
+    torch.set_num_threads(1)
+    previous = previous_detector(previous_ref)
     rows = [
         ("plain loop", plain, STEPS, "plain"),
         ("devicekit LeakDetector, step-level (lines=False)", detector(False, True), STEPS, "plain"),
@@ -147,7 +245,15 @@ def main() -> None:
         ("devicekit LeakDetector, lines=True, leaky loop (tracer on)", detector_leaky, STEPS, "leaky"),
         ("torch MemTracker", memtracker, SLOW_STEPS, "plain"),
         ("pytorch_memlab MemReporter.report() per step", memlab, SLOW_STEPS, "plain"),
+        ("plain loop, hook registered every step (leaky)", hook_leak(False), STEPS, "hook"),
+        ("devicekit LeakDetector, lines=True, hook leak (found from the memory)", hook_leak(True), STEPS, "hook"),
+        ("plain CNN loop", cnn(False), CNN_STEPS, "cnn"),
+        ("devicekit LeakDetector on the CNN, step-level (lines=False)", cnn(True), CNN_STEPS, "cnn"),
+        ("devicekit LeakDetector on the CNN, lines=True, clean loop", cnn(True, True), CNN_STEPS, "cnn"),
     ]
+    if previous is not None:
+        rows.insert(2, (f"previous LeakDetector ({previous_ref}), step-level (lines=False)", previous,
+                        STEPS, "plain"))
     for _, run, _, _ in rows:
         run(3)  # warm-up: imports, first Adam step
     # rounds interleave the variants so a busy machine slows them alike; the best round counts
@@ -156,11 +262,13 @@ def main() -> None:
         for name, run, steps, _ in rows:
             timings[name].append(run(steps) / steps)
     results = {name: min(values) for name, values in timings.items()}
-    base = {"plain": results["plain loop"], "leaky": results["plain leaky loop (list grows every step)"]}
+    base = {"plain": results["plain loop"], "leaky": results["plain leaky loop (list grows every step)"],
+            "hook": results["plain loop, hook registered every step (leaky)"],
+            "cnn": results["plain CNN loop"]}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, no GPU, torch {torch.__version__}, "
           f"1 torch thread; MLP 256-512-512-10, batch 64, Adam; CPU time per step, best of {REPEATS} interleaved rounds")
     print()
-    print("| variant | CPU ms/step | ratio to plain loop |")
+    print("| variant | CPU ms/step | ratio to its plain loop |")
     print("|---|---:|---:|")
     for name, _, _, kind in rows:
         print(f"| {name} | {results[name] * 1e3:.3f} | {results[name] / base[kind]:.2f}x |")
@@ -213,5 +321,13 @@ def gpu_part() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    gpu_part()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--previous", default="1e453dc", help="git ref of the previous LeakDetector")
+    parser.add_argument("--as-previous", metavar="SRC", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.as_previous:
+        as_previous(args.as_previous, args.steps)
+    else:
+        main(args.previous)
+        gpu_part()

@@ -43,13 +43,13 @@ from torch import nn
 
 import devicekit as dk
 from devicekit.modelparallel.balance import max_over_mean, part_costs
+from devicekit.modelparallel.layer_plan import build_plan
 from devicekit.modelparallel.layer_profile import (
     optimizer_factor,
     profile_layers,
     sequential_layers,
 )
 from devicekit.modelparallel.schedule import bubble_fraction, clock_cycles
-from devicekit.modelparallel.split import build_plan
 
 ROUNDS = 9
 

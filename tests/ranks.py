@@ -1,4 +1,4 @@
-"""Shared by tests/parallel and tests/launch: a machine with no GPU, and environments for rank subprocesses.
+"""Shared by tests/parallel, tests/jobs and tests/strategy: a machine with no GPU, and environments for rank subprocesses.
 
 Each of those folders' conftest.py imports the fixtures from here (``no_launcher`` is autouse there).
 """

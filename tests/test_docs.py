@@ -101,6 +101,8 @@ def test_checked_console_samples_match_the_program(page, body, files, tmp_path, 
     bin_dir.mkdir()
     (bin_dir / "devicekit").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m devicekit "$@"\n')
     (bin_dir / "devicekit").chmod(0o755)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # `$ python x.py`
+    (bin_dir / "python").chmod(0o755)
     lines = body.rstrip("\n").splitlines()
     command, expected = lines[0].removeprefix("$ "), lines[1:]
     leases = tmp_path / "leases"

@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "BatchSizeError": "devicekit.errors:BatchSizeError",
     "GradientMismatchError": "devicekit.errors:GradientMismatchError",
     "MissingDependencyError": "devicekit.errors:MissingDependencyError",
+    "ServeError": "devicekit.errors:ServeError",
     # units
     "parse_size": "devicekit.units:parse_size",
     "format_size": "devicekit.units:format_size",
@@ -99,7 +100,7 @@ _EXPORTS: dict[str, str] = {
     "advise": "devicekit.strategy.advise:advise",
     "Advice": "devicekit.strategy.advise:Advice",
     # parallel
-    "launch": "devicekit.launch.launch:launch",
+    "launch": "devicekit.jobs.launch:launch",
     "dist": "devicekit.parallel.dist",
     "ddp": "devicekit.parallel.ddp:ddp",
     "BalancedDataParallel": "devicekit.parallel.balanced_dp:BalancedDataParallel",

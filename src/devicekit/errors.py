@@ -40,6 +40,7 @@ __all__ = [
     "CommandNotFoundError",
     "GradientMismatchError",
     "MissingDependencyError",
+    "ServeError",
 ]
 
 
@@ -182,3 +183,7 @@ class GradientMismatchError(DistributedError):
 
 class MissingDependencyError(DeviceKitError, ImportError):
     """An optional extra (e.g. matplotlib for plots) is needed and not installed."""
+
+
+class ServeError(DeviceKitError, RuntimeError):
+    """``devicekit serve`` cannot listen where asked (port in use, unknown host, no permission)."""

@@ -1,7 +1,7 @@
 """Old import paths that keep working for one release, with a ``DeprecationWarning``.
 
 When a module moves to another wing (``devicekit.parallel.run`` became
-``devicekit.launch.run``), the old package registers the old names here. Importing an old name
+``devicekit.jobs.run``), the old package registers the old names here. Importing an old name
 warns once and hands back the module at its new place (the same module object, so state and
 ``isinstance`` checks are shared). The new place is named as a string and imported only when the
 old name is used, so a lower wing never imports a higher one.
@@ -10,10 +10,10 @@ Usage (in the old package's ``__init__.py``)::
 
     from devicekit.moved import alias_modules
 
-    alias_modules("devicekit.parallel", {"run": "devicekit.launch.run"})
+    alias_modules("devicekit.parallel", {"run": "devicekit.jobs.run"})
 
     # user code, still working until the next release:
-    from devicekit.parallel.run import RunRequest   # DeprecationWarning: ... moved to devicekit.launch.run
+    from devicekit.parallel.run import RunRequest   # DeprecationWarning: ... moved to devicekit.jobs.run
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ def parse_size(value: str | int | float, *, name: str = "size", bare: bool = Tru
         return int(value)
     match = _SIZE_RE.match(value)
     if not match:
+        if value.strip().startswith("-") and _SIZE_RE.match(value.strip()[1:]):
+            raise InvalidSizeError(f"{name} {value!r} is negative; sizes are 0 or more, e.g. '20GiB'")
         raise InvalidSizeError(f"{name} {value!r} is not a size; {SIZE_EXAMPLE}")
     number, unit = match.groups()
     if not unit:

@@ -110,6 +110,26 @@ def test_leak_finder_on_cuda() -> None:
     assert leak.bytes_per_step >= 32 * 64 * 4
 
 
+def test_leak_found_from_the_memory_on_cuda() -> None:
+    """A hook registered every step, on CUDA: the same holder and kind as on CPU, and the rate is
+    what the allocator really hands out for one kept activation (32 x 64 floats, block-rounded)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    x = torch.randn(32, 64, device="cuda")
+
+    def step() -> None:
+        feats: list[torch.Tensor] = []
+        model[1].register_forward_hook(lambda m, i, o: feats.append(o))
+        model(x).sum().backward()
+
+    report = dk.find_leaks(step)
+    leak = report.leaks[0]
+    assert (leak.holder, leak.kind) == ("model.1._forward_hooks", "hook_per_step"), str(report)
+    assert leak.bytes_per_step >= 32 * 64 * 4
+    before = torch.cuda.memory_allocated()
+    step()
+    assert torch.cuda.memory_allocated() - before >= 32 * 64 * 4  # the leak is real on the device
+
+
 def test_timeline_snapshot_opens_in_memory_viz_format(tmp_path) -> None:
     with dk.MemoryTimeline("cuda:0") as tl:
         kept = [torch.empty(MiB, dtype=torch.uint8, device="cuda:0") for _ in range(3)]

@@ -125,7 +125,7 @@ def test_select_cli_prints_the_mig_uuid(machine, capsys):
 
 
 def test_run_gives_the_child_the_mig_uuid_and_holds_its_lease(machine, tmp_path):
-    from devicekit.launch.run import RunRequest, execute, plan_run
+    from devicekit.jobs.run import RunRequest, execute, plan_run
     from tests.hardware.conftest import child_env
 
     report = tmp_path / "child.json"

@@ -22,10 +22,12 @@ def test_a_repeated_layer_runs_as_many_times_as_it_appears() -> None:
     x = torch.randn(4, 2)
     want = lin(lin(x))
     for model in (dk.split(nn.Sequential(lin, lin), ["cpu"]),
-                  dk.split(nn.Sequential(lin, lin), ["cpu"], balance=[2]),
-                  dk.split(nn.Sequential(lin, lin), ["cpu", "cpu"], balance=[1, 1])):
-        assert sum(model.plan.counts) == 2
+                  dk.split(nn.Sequential(lin, lin), ["cpu"], balance=[1])):
+        assert model.plan.counts == [1]  # one module object is one unit, run at both places
         torch.testing.assert_close(model(x), want)
+        model.unsplit()
+    with pytest.raises(dk.SplitError, match="cannot cut 1 unit"):
+        dk.split(nn.Sequential(lin, lin), ["cpu", "cpu"])
     with dk.Pipeline(nn.Sequential(lin, nn.Tanh(), lin), ["cpu", "cpu"], chunks=2) as pipe:
         torch.testing.assert_close(pipe(x), lin(torch.tanh(lin(x))))
         assert "repeats as '2'" in str(pipe.plan)  # on one CPU the two uses share one copy
@@ -35,14 +37,18 @@ def test_a_repeated_layer_stays_on_one_device() -> None:
     lin = nn.Linear(4, 4)
     model = nn.Sequential(nn.Linear(4, 4), lin, nn.ReLU(), lin, nn.Linear(4, 4))
     split = dk.split(model, ["cpu", "meta"])
-    part = {name: p.index for p in split.plan.parts for name in p.layer_names}
-    assert part["1"] == part["3"]
+    assert "3" not in split.plan.device_map  # the module registered as '1' and '3' is placed once
     assert any("layer '1' repeats as '3'" in r and "kept on one device" in r for r in split.plan.reasons)
-    with pytest.raises(dk.SplitError) as err:
+    x = torch.randn(2, 4)
+    assert split(x).shape == (2, 4)
+    split.unsplit()
+    with pytest.raises(dk.InvalidValueError, match="sums to 5 but the model has 4 units"):
         dk.split(model, ["cpu", "meta"], balance=[2, 3])
+    with pytest.raises(dk.SplitError, match="pass at most 4 devices"):
+        dk.split(model, ["cpu", "meta", "cpu", "meta", "cpu"])
+    with pytest.raises(dk.SplitError) as err:  # a pipeline cuts between places: the repeat is named
+        dk.Pipeline(model, ["cpu", "meta"], chunks=2, balance=[2, 3])
     assert "layer '1' repeats as '3'" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(dk.SplitError, match="pass at most 3 devices"):
-        dk.split(model, ["cpu", "meta", "cpu", "meta"])
 
 
 def test_a_repeated_batchnorm_is_refused_by_a_deferred_pipeline() -> None:
@@ -84,12 +90,19 @@ def tied_model() -> nn.Sequential:
     return nn.Sequential(Embed(table), nn.Linear(16, 16), nn.ReLU(), TiedHead(table))
 
 
-def test_b_tied_parameters_across_devices_are_refused_naming_the_parameter() -> None:
+def test_b_tied_parameters_across_devices_stay_together_and_a_pipeline_names_the_tie() -> None:
+    """dk.split keeps the tied embedding and head on one device wherever they are (issue 18: the
+    Sequential used to be refused here); a pipeline, whose parts run in order, cannot, and says
+    which parameter ties which layers."""
+    for balance in ("size", [2, 1], [1, 2]):
+        split = dk.split(tied_model(), ["cpu", "meta"], balance=balance)  # type: ignore[arg-type]
+        assert split.plan.device_map["0"] == split.plan.device_map["3"]
+        assert any(t.startswith("3.table.weight = 0.table.weight") for t in split.plan.tied)
     for balance in ("size", [2, 2], [1, 3]):
         with pytest.raises(dk.SplitError) as err:
-            dk.split(tied_model(), ["cpu", "meta"], balance=balance)  # type: ignore[arg-type]
+            dk.Pipeline(tied_model(), ["cpu", "meta"], chunks=2, balance=balance)  # type: ignore[arg-type]
         message = str(err.value)
-        assert "parameter '0.table.weight' is shared (tied) with layer(s) '3'" in message
+        assert "parameter '0.table.weight' is shared (tied) with '3.table.weight', used by layers '0', '3'" in message
         assert "\n" not in message
 
 
@@ -97,13 +110,14 @@ def test_b_tied_parameters_on_one_device_share_one_copy_and_the_plan_says_so() -
     ids = torch.randint(0, 20, (6, 5))
     ref = tied_model()
     ref(ids).square().mean().backward()
-    split = dk.split(tied_model(), ["cpu", "cpu"], balance=[2, 2])
+    split = dk.split(tied_model(), ["cpu", "cpu"], balance=[2, 1])
     out = split(ids)
     out.square().mean().backward()
     torch.testing.assert_close(out, ref(ids))
     torch.testing.assert_close(split.module[0].table.weight.grad, ref[0].table.weight.grad)
     assert split.module[0].table.weight is split.module[3].table.weight
-    assert any("'0.table.weight' is shared" in r and "one copy" in r for r in split.plan.reasons)
+    assert split.plan.parts[0].tied_names == ("3",)
+    assert any("one tensor, on cpu (part 0)" in t for t in split.plan.tied)
     # counted once: the plan's parameters are the model's
     assert sum(p.parameters for p in split.plan.parts) == sum(p.numel() for p in ref.parameters())
 
@@ -115,11 +129,15 @@ def test_b_plan_devices_keeps_tied_layers_on_one_gpu() -> None:
                               nn.Linear(4096, 256))  # five layers of 1M parameters (the head's are the table's)
     plan = dk.plan_devices(model, {"cuda:0": "40GiB", "cuda:1": "40GiB"}, spread=True,
                            sample=torch.empty(2, 8, dtype=torch.long, device="meta"))
-    assert plan.counts == [4, 1]  # the old balance cut [3, 2]: the table on cuda:0, its use on cuda:1
+    # the head joins the table's part and the rest balances: [embed + head, 1 | 2, 4] (the layer
+    # rule of the old Sequential path kept layers 0..3 together: [4, 1])
+    assert plan.counts == [2, 2]
     assert plan.device_map["0"] == plan.device_map["3"] != plan.device_map["4"]
-    assert any("'0.table.weight' is shared" in r for r in plan.reasons)
-    with pytest.raises(dk.SplitError, match="'0.table.weight'"):
+    assert any("3.table.weight = 0.table.weight" in t for t in plan.tied)
+    with pytest.raises(dk.SplitError, match="'3.table.weight' is the same tensor as '0.table.weight'"):
         dk.split(model, _cut(plan, [3, 2]))  # a hand-edited plan that cuts the tie
+    with pytest.raises(dk.SplitError, match="a pipeline runs its parts one after another"):
+        dk.Pipeline(model, plan, chunks=2)  # layer 3 joins part 0 after layer 2 on part 1
 
 
 def _cut(plan: dk.Plan, counts: list[int]) -> dk.Plan:
@@ -277,5 +295,6 @@ def test_e_time_balance_profiles_in_training_mode_and_restores_the_mode() -> Non
     assert split.plan.basis == "time"
     assert not any(m.training for m in model.modules())
     model[0].train()  # a mix of modes comes back as it was
+    split.unsplit()
     dk.split(model, ["cpu", "cpu"], balance="size", sample=torch.randn(8, 4))
     assert [m.training for m in model] == [True, False, False, False]

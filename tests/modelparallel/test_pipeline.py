@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any, NamedTuple
 
@@ -224,7 +225,7 @@ def test_namedtuples_and_dicts_keep_their_type_through_split_and_pipeline() -> N
     model = nn.Sequential(ToPair(), FromPair())
     x = torch.randn(6, 4, requires_grad=True)
     want = model(x)
-    split = dk.split(model, ["cpu", "cpu"], balance=[1, 1])
+    split = dk.split(copy.deepcopy(model), ["cpu", "cpu"], balance=[1, 1])  # a split model has hooks
     pipe = dk.Pipeline(model, ["cpu", "cpu"], chunks=3, balance=[1, 1], checkpoint="never")
     for runner in (split, pipe):
         got = runner(x)

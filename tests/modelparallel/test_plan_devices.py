@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import devicekit as dk
+from devicekit.modelparallel.layer_plan import build_plan
 from devicekit.modelparallel.layer_profile import sequential_layers
-from devicekit.modelparallel.split import build_plan
 from devicekit.units import parse_size
 from tests.conftest import h100
 
@@ -145,10 +145,13 @@ def test_plan_feeds_split() -> None:
     plan = dk.plan_devices(model, {"cpu": "1GiB"}, sample=torch.randn(4, 16))
     split = dk.split(model, plan)
     assert split.devices == [torch.device("cpu")] and split(torch.randn(2, 16)).shape == (2, 4)
+    with pytest.raises(dk.SplitError, match=r"already split; call .unsplit\(\)"):
+        dk.Pipeline(model, plan, chunks=2)
+    split.unsplit()
     pipe = dk.Pipeline(model, plan, chunks=2)
     torch.testing.assert_close(pipe(torch.ones(4, 16)), model(torch.ones(4, 16)))
     gpu_plan = dk.plan_devices(model, {5: "1GiB"})
     with pytest.raises(dk.InvalidDeviceError, match="'cuda:5'"):
         dk.split(model, gpu_plan)
-    with pytest.raises(dk.SplitError, match="plan covers 5 layers"):
+    with pytest.raises(dk.SplitError, match="places .1. but model Sequential has no such submodule; plan this model"):
         dk.split(nn.Sequential(nn.Linear(16, 4)), plan)

@@ -91,7 +91,7 @@ def test_run_killed_with_sigkill_takes_its_job_along(simulate, tmp_path):
 
 
 def test_process_tree_spares_the_callers_own_children():
-    from devicekit.launch.process_tree import ProcessTree
+    from devicekit.jobs.process_tree import ProcessTree
 
     mine = subprocess.Popen(["sleep", "60"])
     try:

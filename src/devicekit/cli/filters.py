@@ -10,7 +10,7 @@ Usage::
     @max_util_option
     def command(exclude: tuple[str, ...], max_util: str | None) -> None:
         skip = parse_exclude(exclude)          # ['1', '3'] from --exclude 1 --exclude 3
-        util = parse_max_util(max_util)        # 50.0 from '50' or '50%'; None when not given
+        util = parse_max_util(max_util)        # '50%' from '50' or '50%'; None when not given
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ def parse_exclude(values: tuple[str, ...] | list[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-def parse_max_util(value: str | None) -> float | None:
-    """The percent, or None; a one-line error naming ``--max-util`` (a fraction included)."""
-    return parse_percent(value, name="--max-util") if value is not None else None
+def parse_max_util(value: str | None) -> str | None:
+    """The percent as ``"<number>%"``, or None; a one-line error naming ``--max-util``.
+
+    Checked here (so a fraction like ``0.5`` is refused before anything is leased), and handed
+    on with its ``%`` sign: ``0.5%`` means 0.5 %, which a bare 0.5 would not say to
+    ``select_gpus`` (it refuses a bare 0.5 as a fraction).
+    """
+    if value is None:
+        return None
+    return f"{parse_percent(value, name='--max-util'):g}%"

@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("devicekit.cli.bench", "Measure each device (matmul, bandwidths, latency) vs its peak."),
     "estimate": ("devicekit.cli.estimate", "Estimate the memory of one training step before running it."),
     "advise": ("devicekit.cli.advise", "Rank strategies (one GPU, DDP, FSDP, split, offload) for a model."),
+    "serve": ("devicekit.cli.serve", "Serve a live status page, /metrics for Prometheus and /api/status."),
+    "queue": ("devicekit.cli.queue", "Show the fair GPU queue (waiting tickets, reasons); cancel a ticket."),
 }
 
 

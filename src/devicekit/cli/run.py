@@ -1,6 +1,6 @@
 """``devicekit run``: lease GPUs and run a command (or the bundled example) on them.
 
-Formatting only; the logic is :mod:`devicekit.launch.run`. torchrun's spellings
+Formatting only; the logic is :mod:`devicekit.jobs.run`. torchrun's spellings
 (``--nproc_per_node``, ``--max-restarts``, ``--rdzv-*``, ``--standalone``, ``--log-dir``,
 ``--nnodes MIN:MAX``) are accepted and passed to torchrun; its other options are refused with
 a suggestion.
@@ -111,14 +111,19 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
 @click.option("--procs", "--nproc-per-node", "--nproc_per_node", "procs", metavar="N|auto",
               default=None, help="Processes per node (CPU processes with gloo where there is no"
                                  " GPU); 'auto'/'gpu': one per GPU.")
-@click.option("--gpus-per-proc", type=click.IntRange(min=1), default=1, show_default=True,
-              help="GPUs each process drives (model parallel inside data parallel).")
+@click.option("--gpus-per-proc", type=click.IntRange(min=1), default=None,
+              help="GPUs each process drives (model parallel inside data parallel); default"
+                   " --gpus / --procs when both are given, else 1.")
 @click.option("--min-free", "min_free", metavar="SIZE", default=None,
               help="Only GPUs with at least this much free memory, with a unit, e.g. 20GiB.")
 @max_util_option
 @exclude_option
 @click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS", default=None,
-              help="Queue behind busy GPUs for up to this long (with progress).")
+              help="Queue behind busy GPUs for up to this long: a ticket in the fair queue"
+                   " (first come, first served; see 'devicekit queue').")
+@click.option("--time", "time_limit", metavar="DURATION", default=None,
+              help="Time limit (90s, 30m, 2h, 1:30:00): SIGTERM then, SIGKILL after a grace"
+                   " period; lets a queued job be backfilled onto GPUs reserved for a bigger one.")
 @click.option("--nnodes", metavar="N|MIN:MAX", default=None,
               help="Machines taking part (run the same command on each); default 1, or what the"
                    " launcher devicekit run runs under says.")
@@ -145,9 +150,10 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               help="Choose the GPUs and print the variables and command line it would start"
                    " (stdout), then release them; start nothing.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_proc: int,
+def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_proc: int | None,
             min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
-            wait: float | None, command: tuple[str, ...], dry_run: bool, **node: Any) -> int:
+            wait: float | None, command: tuple[str, ...], dry_run: bool, time_limit: str | None,
+            **node: Any) -> int:
     """Lease GPUs, set CUDA_VISIBLE_DEVICES and run COMMAND until it exits.
 
     One process runs COMMAND directly; several processes or nodes run it under torchrun.
@@ -155,7 +161,7 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     launcher. Without COMMAND the bundled example training runs. The leases are held until
     every process has exited; the exit code is COMMAND's; Ctrl-C stops every process.
     """
-    from devicekit.launch.run import RunRequest, plan_run, run
+    from devicekit.jobs.run import RunRequest, plan_run, run
 
     count, ids = _gpus(gpus)
     if gpu_ids is not None:
@@ -166,7 +172,7 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     request = RunRequest(
         command=list(command), gpus=count, procs=n, gpus_per_proc=gpus_per_proc,
         min_free_memory=min_free, wait=wait, gpu_ids=ids, exclude=parse_exclude(exclude),
-        max_utilization=parse_max_util(max_util), **node,
+        max_utilization=parse_max_util(max_util), time_limit=time_limit, **node,
     )
     def echo(line: str) -> None:
         click.echo(f"devicekit run: {line}", err=True)

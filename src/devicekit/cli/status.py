@@ -94,7 +94,10 @@ def _console() -> Any:  # a rich Console (rich is imported lazily)
     from rich.console import Console
 
     # piped or captured output gets a fixed, roomy width instead of rich's 80-column default
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    tty = sys.stdout.isatty()
+    # to a pipe or file: 120 columns for the tables, and text lines (warnings) never folded
+    # mid-sentence; a terminal folds long lines itself
+    return Console(highlight=False, width=None if tty else 120, soft_wrap=not tty)
 
 
 def _render(report: Any, no_processes: bool) -> Any:

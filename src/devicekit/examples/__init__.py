@@ -1,5 +1,7 @@
 """The bundled example training job that ``devicekit run`` runs when given no command.
 
+May import: every wing (it is a front door, like ``cli``); nothing imports it.
+
 Usage::
 
     python -m devicekit.examples --seconds 2

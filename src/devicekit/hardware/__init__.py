@@ -3,6 +3,10 @@
 Nothing in this package imports torch at module level, so ``devicekit status`` and ``select``
 start fast and work where torch is broken.
 
+May import: ``units``, ``errors`` (and ``moved``); never torch at module level, never another
+wing. Entry points: ``dk.gpus()``, ``dk.host()``, ``dk.select_gpus()``, ``collect_status()``
+(:mod:`.status`), ``run_checks()`` (:mod:`.checks`, ``devicekit doctor``).
+
 Usage::
 
     import devicekit as dk

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from devicekit.hardware.check import Check
+from devicekit.hardware.slurm_job import is_batch_script
 
 __all__ = ["check_launcher", "LAUNCHER_VARIABLES"]
 
@@ -116,4 +117,7 @@ def check_launcher(env: Mapping[str, str], *, visible_gpus: int | None = None) -
         return Check("launcher", problem.status, str(problem))  # type: ignore[arg-type]
     if rendezvous:
         described.append(rendezvous)
+    if "slurm" in found and is_batch_script(env):
+        described.append(f"the sbatch script itself (no srun step): one process, a world of one;"
+                         f" srun starts the job's {env.get('SLURM_NTASKS', '?')} task(s)")
     return Check("launcher", "pass", "; ".join(described))

@@ -35,8 +35,11 @@ from devicekit.hardware import inventory
 from devicekit.hardware.exclude import excluded as excluded_uuids
 from devicekit.hardware.exclude import parse_exclude
 from devicekit.hardware.gpu import GPU
+from devicekit.hardware.lease_directory import lease_dir
 from devicekit.hardware.leases import Lease, LeaseRecord, read_leases
 from devicekit.hardware.mig import leasable_devices, visible_uuids
+from devicekit.hardware.policy import parse_duration
+from devicekit.hardware.queue_turn import blocked, join_for, queued
 from devicekit.hardware.visible import ORDER_ENV, VISIBLE_ENV, torch_ordinal, visible_value
 from devicekit.hardware.waiting import WaitDisplay
 from devicekit.units import format_size, parse_percent, parse_size
@@ -59,6 +62,9 @@ class Selection:
     lease: Lease | None = None
     #: True when too few GPUs were free and ``fallback="cpu"`` gave the CPU instead
     cpu_fallback: bool = False
+    #: the fair queue's hold (a time-limited job's running ticket, fair-share bookkeeping),
+    #: closed on release
+    ticket: Any = None
 
     @property
     def devices(self) -> list[torch.device]:
@@ -93,9 +99,11 @@ class Selection:
         return env
 
     def release(self) -> None:
-        """Release the lease (if any). Safe to call twice."""
+        """Release the lease (if any) and leave the queue. Safe to call twice."""
         if self.lease is not None:
             self.lease.release()
+        if self.ticket is not None:
+            self.ticket.close()
 
     def __enter__(self) -> Selection:
         return self
@@ -238,7 +246,7 @@ def _ordered(eligible: list[Candidate], order: str) -> list[Candidate]:
 _RACE_RETRIES = 5
 
 
-def _attempt(request: _Request, lease: bool, command: str | None
+def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = None
              ) -> tuple[Selection | None, list[Candidate], str]:
     """One snapshot: choose, then lock the chosen devices one by one, or report why not.
 
@@ -253,7 +261,8 @@ def _attempt(request: _Request, lease: bool, command: str | None
     note = f"{VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)!r}"
     if not lease:
         held = read_leases()
-        candidates = assess(devices, held, request, visible, note, _holder_pids(held))
+        candidates = _queue_marks(assess(devices, held, request, visible, note, _holder_pids(held)),
+                                  blocked(lease_dir(), devices, held, ticket, request.count))
         candidates = _mark_blocked(candidates)  # never offer what run would refuse
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
@@ -261,6 +270,7 @@ def _attempt(request: _Request, lease: bool, command: str | None
     for attempt in range(_RACE_RETRIES):
         live = read_leases(cleanup=True)
         candidates = assess(devices, live, request, visible, note, _holder_pids(live))
+        candidates = _queue_marks(candidates, blocked(lease_dir(), devices, live, ticket, request.count))
         if not _choose(candidates, request):
             return None, candidates, _no_gpu_reason(gpus)
         ordered = _ordered([c for c in candidates if c.eligible], request.order)
@@ -288,6 +298,12 @@ def _mark_blocked(candidates: list[Candidate]) -> list[Candidate]:
     blocked = blocked_devices(lease_dir(), [c.gpu.uuid for c in candidates if c.eligible])
     return [Candidate(c.gpu, c.available, (blocked[c.gpu.uuid],)) if c.gpu.uuid in blocked else c
             for c in candidates]
+
+
+def _queue_marks(candidates: list[Candidate], queue: dict[str, str]) -> list[Candidate]:
+    """Eligible devices the fair queue keeps from this requester, with why (not lasting)."""
+    return [Candidate(c.gpu, c.available, (queue[c.gpu.uuid],), c.lasting)
+            if c.gpu.uuid in queue and c.eligible else c for c in candidates]
 
 
 def _share_judge(by_uuid: dict[str, Candidate], request: _Request, visible: set[str],
@@ -331,7 +347,7 @@ def _rejected(candidates: list[Candidate], chosen: list[Candidate], request: _Re
         if c.gpu.uuid in picked:
             continue
         if c.eligible:
-            lines.append(f"GPU {c.gpu.index}: eligible but not needed "
+            lines.append(f"{c.gpu.label}: eligible but not needed "
                          f"({request.count} asked, order {request.order})")
         else:
             lines.append(c.line())
@@ -351,7 +367,7 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
                 wait: float | None = None, lease: bool = True, fallback: str | None = None,
                 account_as_free: Iterable[str] | str = (), share: bool = False,
                 poll_interval: float = 1.0, progress: bool | None = None,
-                command: str | None = None) -> Selection:
+                command: str | None = None, time_limit: float | str | None = None) -> Selection:
     """Choose ``count`` GPUs (``"all"``: every eligible one) and lease them.
 
     ``min_free_memory``: a size (``"20GiB"``) each GPU must have free; with ``share=True`` it is
@@ -364,6 +380,10 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     a terminal when ``progress`` is None) for enough GPUs. ``lease=False``: choose without
     reserving (still skips leased GPUs). ``fallback="cpu"``: return a CPU selection instead of
     raising :class:`~devicekit.errors.NoDeviceAvailable`. ``command``: recorded in the lease.
+    Waiting takes a ticket in the fair queue (first come, first served; GPUs reserved for the
+    head; see :mod:`~devicekit.hardware.queue_order`). ``time_limit`` (``"30m"``): the job's
+    declared limit, which lets it be backfilled onto reserved GPUs; ``devicekit run --time``
+    enforces it (a caller of ``select_gpus`` promises to release the GPUs by then).
     """
     request = _make_request(count, min_free_memory, max_utilization, exclude, order,
                             account_as_free, share)
@@ -375,24 +395,34 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) \
             or not poll_interval > 0:
         raise InvalidValueError(f"poll_interval {poll_interval!r} must be a number of seconds > 0")
+    limit = parse_duration(time_limit, name="time_limit") if time_limit is not None else None
     start = time.monotonic()
     deadline = start + (wait or 0.0)
     display: WaitDisplay | None = None
+    ticket = None
     try:
         while True:
-            selection, candidates, empty = _attempt(request, lease, command)
+            selection, candidates, empty = _attempt(request, lease, command, ticket)
             if selection is not None:
-                return selection
+                return queued(selection, ticket, limit, command)
             now = time.monotonic()
             if wait is None or now >= deadline or not _waiting_helps(candidates, request):
                 break
+            if ticket is None and request.count is not None and not request.share:
+                ticket = join_for(request, candidates, command, limit)
             if display is None:
                 display = WaitDisplay(request.count, wait, enabled=progress)
             display.update(candidates, deadline - now)
             time.sleep(min(poll_interval, max(deadline - now, 0.0)))
+    except BaseException:
+        if ticket is not None:
+            ticket.close()
+        raise
     finally:
         if display is not None:
             display.close()
+    if ticket is not None:
+        ticket.close()
     error = _shortfall(request, candidates, empty, wait)
     if fallback == "cpu":
         return Selection([], [*error.reasons, f"falling back to cpu: {error.summary}"], None,
@@ -416,7 +446,7 @@ def _shortfall(request: _Request, candidates: Sequence[Candidate], empty: str,
                                  [reason], waiting_helps=False)
     if not _waiting_helps(candidates, request):
         possible = sum(c.possible for c in candidates)
-        lasting = [f"GPU {c.gpu.index}: {'; '.join(c.lasting)}" for c in candidates if c.lasting]
+        lasting = [f"{c.gpu.label}: {'; '.join(c.lasting)}" for c in candidates if c.lasting]
         if lasting:
             message = (f"need {asked} GPU(s) but only {possible} of the {len(candidates)} GPU(s)"
                        f" here could ever qualify: {'; '.join(lasting)}; waiting cannot help")

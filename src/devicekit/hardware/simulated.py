@@ -105,8 +105,8 @@ def _fail(path: Path, where: str, message: str) -> SimulationFileError:
 def _size(path: Path, where: str, value: Any) -> int:
     try:
         size = parse_size(value, name=where, bare=False)
-    except InvalidSizeError as exc:
-        raise _fail(path, where, str(exc)) from None
+    except InvalidSizeError as exc:  # "gpus[0].memory_total 80 has no unit": name the key once
+        raise _fail(path, where, str(exc).removeprefix(f"{where} ")) from None
     if size > MAX_SIMULATED_SIZE:
         raise _fail(path, where, f"{value!r} is more than {MAX_SIMULATED_SIZE >> 50} PiB, "
                                  "which no GPU has")
@@ -201,6 +201,8 @@ def _parse_process(path: Path, where: str, entry: Any) -> GPUProcess:
     if unknown:
         raise _fail(path, where, f"unknown key {sorted(unknown)[0]!r}")
     pid = entry.get("pid")
+    if pid is None:
+        raise _fail(path, f"{where}.pid", "is missing; every process needs its pid (a positive integer)")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise _fail(path, f"{where}.pid", f"{pid!r} is not a process id")
     for key in ("user", "command"):

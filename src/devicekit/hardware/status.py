@@ -52,6 +52,8 @@ class StatusReport:
     blocked: Mapping[str, str] = field(default_factory=dict)
     #: lease holders (pids) whose job is stopped (Ctrl-Z, SIGSTOP) -> since when
     stopped: Mapping[int, float] = field(default_factory=dict)
+    #: the fair queue's waiting tickets (``devicekit queue --json``'s entries), in queue order
+    queue: tuple[dict[str, Any], ...] = ()
 
     def leases_for(self, gpu: GPU) -> list[LeaseRecord]:
         """Live leases on ``gpu`` (its own UUID or one of its MIG instances)."""
@@ -85,6 +87,7 @@ class StatusReport:
             "gpus": gpus,
             "other_leases": [_lease_dict(r) for r in orphans],
             "warnings": list(self.warnings),
+            **({"queue": list(self.queue)} if self.queue else {}),  # only while tickets wait
         }
 
 
@@ -157,6 +160,15 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
     blocked, stopped = _lease_trouble(gpus, leases, warnings) if include_leases else ({}, {})
+    queue: tuple[dict[str, Any], ...] = ()
+    if include_leases and not any(w.startswith("leases not shown") for w in warnings) \
+            and _lease_dir_exists():
+        from devicekit.hardware.queue_state import waiting_entries
+
+        try:  # the fair queue: waiting tickets, their reserved GPUs and reasons
+            queue = tuple(waiting_entries(gpus, leases))
+        except LeaseError as exc:
+            warnings.append(f"queue not shown: {exc}")
     return StatusReport(
         host=host(),
         backend=source.name,
@@ -167,6 +179,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         warnings=tuple(warnings),
         blocked=blocked,
         stopped=stopped,
+        queue=queue,
     )
 
 

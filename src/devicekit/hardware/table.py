@@ -67,6 +67,11 @@ def render_status(report: StatusReport, *, all_processes: bool = True,
             parts.append(_process_table(report))
     if report.leases:
         parts.append(_lease_table(report, now))
+    for entry in report.queue:  # the fair queue (devicekit queue has the details)
+        reserved = f", reserved {','.join(entry['reserved'])}" if entry["reserved"] else ""
+        line = (f"queue: ticket {entry['ticket']} {entry['user']} asks {entry['gpus_asked']}"
+                f" GPU(s){reserved}: {entry['reason']}")  # other users' text: shown inert
+        parts.append(Text("".join(c if c.isprintable() else "?" for c in line)))
     return Group(*parts)
 
 

@@ -7,6 +7,8 @@ device, GPU to GPU), launch latency, D2L's logging and multi-GPU exercises, and 
 beside the device's datasheet peak (:mod:`devicekit.hardware.known_gpus`). Results are cached
 per GPU UUID for the capability score (:mod:`devicekit.hardware.capability`).
 
+May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch).
+
 Usage::
 
     import devicekit as dk

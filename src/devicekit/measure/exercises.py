@@ -20,7 +20,7 @@ import torch
 
 from devicekit.measure.timing import on_device, synchronize
 
-__all__ = ["launch_latency_us", "logging_seconds", "scaling"]
+__all__ = ["launch_latency_us", "logging_seconds", "scaling", "NOISY_SPREAD"]
 
 
 def launch_latency_us(device: torch.device, ops: int = 1000) -> float:
@@ -41,9 +41,19 @@ def launch_latency_us(device: torch.device, ops: int = 1000) -> float:
     return statistics.median(rounds) * 1e6
 
 
-def logging_seconds(device: torch.device, steps: int = 1000, n: int = 100) -> dict[str, float]:
+#: a speed-up whose repeats spread more than this (max / min) is reported as noisy
+NOISY_SPREAD = 1.5
+
+
+def logging_seconds(device: torch.device, steps: int = 1000, n: int = 100,
+                    rounds: int = 5) -> dict[str, float]:
     """D2L exercise 3: ``steps`` products of ``n x n`` matrices, logging the Frobenius norm of
-    each with ``.item()`` per step vs in a :class:`devicekit.MetricLog` read once at the end."""
+    each with ``.item()`` per step vs in a :class:`devicekit.MetricLog` read once at the end.
+
+    The two run alternately ``rounds`` times (so a burst of load from elsewhere hits both), each
+    time giving one speed-up; the result holds the medians, the median ``speedup`` and its
+    ``spread`` (max / min speed-up over the rounds; above :data:`NOISY_SPREAD` the figure is noisy).
+    """
     from devicekit.placement.metrics import MetricLog
 
     with on_device(device):
@@ -59,14 +69,19 @@ def logging_seconds(device: torch.device, steps: int = 1000, n: int = 100) -> di
             return dict(log)["norm"]
 
         per_step(), on_device_log()  # warm-up (kernels, allocator)
-        out = {}
-        for name, fn in (("item_per_step", per_step), ("metric_log", on_device_log)):
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            out[name] = time.perf_counter() - t0
-    return out
+        times: dict[str, list[float]] = {"item_per_step": [], "metric_log": []}
+        for _ in range(max(rounds, 1)):
+            for name, fn in (("item_per_step", per_step), ("metric_log", on_device_log)):
+                synchronize(device)
+                t0 = time.perf_counter()
+                fn()
+                synchronize(device)
+                times[name].append(time.perf_counter() - t0)
+    ratios = [i / m for i, m in zip(times["item_per_step"], times["metric_log"], strict=True)]
+    return {"item_per_step": statistics.median(times["item_per_step"]),
+            "metric_log": statistics.median(times["metric_log"]),
+            "speedup": statistics.median(ratios), "spread": max(ratios) / min(ratios),
+            "rounds": float(len(ratios))}
 
 
 def _task(device: torch.device, n: int, repeats: int) -> None:

@@ -11,6 +11,10 @@ Usage::
         train()
     bs = dk.find_batch_size(lambda n: train_step(batch_size=n), start=32)
 
+May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). The estimate before
+running (``estimate``, ``fake_step``, ``step``) lives here; the strategy advisor that combines it
+with the parallel wings is :mod:`devicekit.strategy`, one floor up.
+
 Submodules: ``usage``, ``table``, ``census``, ``release``, ``leaks``, ``oom``, ``batch_size``,
 ``timeline``, ``utilization``. The names below are imported on first use, so importing
 one submodule (e.g. ``utilization`` for ``dk.show_utilization(compact=True)``) does not import

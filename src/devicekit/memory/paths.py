@@ -66,12 +66,13 @@ def _walk(
     value = found.value
     if id(value) in seen or is_plain_value(value):
         return
+    cls = type(value)  # not isinstance: it reads __class__, which a dead weak proxy raises on
     seen.add(id(value))
     yield found
-    if isinstance(value, torch.Tensor):
+    if issubclass(cls, torch.Tensor):
         return
     children: list[tuple[Found, int]] = []
-    if isinstance(value, torch.nn.Module):
+    if issubclass(cls, torch.nn.Module):
         for key, attr in vars(value).items():
             if key in MODULE_INTERNALS or key.startswith("__"):
                 continue
@@ -79,31 +80,31 @@ def _walk(
         for key, child in value._modules.items():
             if child is not None:  # submodules cost no depth: a model is a tree
                 children.append((_child(found, f".{key}", ("attr", key), child, True), depth))
-    elif isinstance(value, torch.optim.Optimizer):
+    elif issubclass(cls, torch.optim.Optimizer):
         children.append((_child(found, ".state", ("attr", "state"), value.state, False), max_depth))
     elif depth >= max_depth:
         return
-    elif isinstance(value, dict):
+    elif issubclass(cls, dict):
         for index, (key, item) in enumerate(value.items()):
             text = _key_text(key)
             if index >= max_items or text is None:
                 break
             children.append((_child(found, f"[{text}]", ("item", key), item, found.in_module), depth + 1))
-    elif isinstance(value, (list, tuple, collections.deque)):
+    elif issubclass(cls, (list, tuple, collections.deque)):
         if list_items:
             for index, item in enumerate(value):
                 if index >= max_items:
                     break
                 children.append((_child(found, f"[{index}]", ("item", index), item, found.in_module), depth + 1))
-    elif not isinstance(value, (set, frozenset)) and hasattr(value, "__dict__"):
+    elif not issubclass(cls, (set, frozenset)):
         try:
             attrs = vars(value)
-        except TypeError:
+        except Exception:  # noqa: BLE001 - no __dict__, or an object that fails to give it
             return
         for key, attr in list(attrs.items()):
             if not key.startswith("__"):
                 children.append((_child(found, f".{key}", ("attr", key), attr, False), depth + 1))
-    if depth >= max_depth and not isinstance(value, torch.nn.Module):
+    if depth >= max_depth and not issubclass(cls, torch.nn.Module):
         return
     for child, child_depth in children:
         if child_depth <= max_depth:
@@ -115,10 +116,25 @@ def _child(parent: Found, suffix: str, step: tuple[str, Any], value: Any, in_mod
 
 
 def resolve(value: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
-    """Follow ``steps`` from ``value`` again; :data:`MISSING` where the path broke."""
+    """Follow ``steps`` from ``value`` again; :data:`MISSING` where the path broke.
+
+    Steps are ``("attr", name)``, ``("item", key)``, and, for functions, ``("cell", name)``
+    (a closure variable), ``("default", index)`` and ``("kwdefault", name)``.
+    """
     for kind, key in steps:
         try:
-            value = getattr(value, key) if kind == "attr" else value[key]
-        except (AttributeError, KeyError, IndexError, TypeError):
+            if kind == "attr":
+                value = getattr(value, key)
+            elif kind == "item":
+                value = value[key]
+            elif kind == "cell":  # a closure variable of a function
+                value = value.__closure__[value.__code__.co_freevars.index(key)].cell_contents
+            elif kind == "default":
+                value = value.__defaults__[key]
+            elif kind == "kwdefault":
+                value = value.__kwdefaults__[key]
+            else:
+                return MISSING
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
             return MISSING
     return value

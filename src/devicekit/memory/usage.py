@@ -152,6 +152,10 @@ def cpu_usage(*, count_tensors: bool = True) -> DeviceMemory:
         notes.append("allocated: not measured (count_tensors=False)")
     rss = psutil.Process(os.getpid()).memory_info().rss
     peak = _peak_rss()
+    if peak is not None:
+        # the kernel updates the high-water mark lazily (ru_maxrss can trail the RSS read just
+        # before it by a page-table sync): a peak is never below the current value
+        peak = max(peak, rss)
     if peak is None:
         notes.append("peak: not measured, this platform does not report peak RSS")
     else:

@@ -56,5 +56,6 @@ def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True,
     from devicekit.hardware.table import console_width, render_status
 
     report = collect_status()
-    console = Console(file=file, width=console_width(file), highlight=False)
+    width = console_width(file)
+    console = Console(file=file, width=width, highlight=False, soft_wrap=width is not None)
     console.print(render_status(report, all_processes=all_processes))

@@ -1,10 +1,11 @@
-"""``dk.plan_devices`` for any ``nn.Module``: its units within memory budgets, opened where too big.
+"""``dk.plan_devices`` for any ``nn.Module`` (``nn.Sequential`` too): its units within budgets, opened where too big.
 
 The units of the model (see :mod:`~devicekit.modelparallel.module_units`) are measured on the
-sample (on the meta device if the model lives there: no real memory) and handed to the same
-fitting as a Sequential's layers. A unit bigger than every device's budget is opened into its
+sample (on the meta device if the model lives there: no real memory), tied units grouped
+(:mod:`~devicekit.modelparallel.unit_plan`), and the groups handed to the budget fitting
+(:mod:`~devicekit.modelparallel.budget_fit`). A unit bigger than every device's budget is opened into its
 submodules and the model is measured again; a unit that cannot be opened (no submodules) and
-fits nowhere is refused, naming it and the ways out.
+fits nowhere is refused, naming it, the tie that holds it to other units, and the ways out.
 
 Usage::
 
@@ -22,9 +23,9 @@ from typing import Any
 from torch import nn
 
 from devicekit.errors import SplitError
-from devicekit.modelparallel.module_split import finish_plan, unit_costs
+from devicekit.modelparallel.budget_fit import Budget, plan_costs
 from devicekit.modelparallel.partition import Plan
-from devicekit.modelparallel.plan import Budget, plan_costs
+from devicekit.modelparallel.unit_plan import finish_plan, unit_costs
 from devicekit.units import format_size
 
 __all__ = ["plan_module_budgets"]
@@ -55,7 +56,7 @@ def plan_module_budgets(model: nn.Module, budgets: list[Budget], sample: Any, *,
         best = max(budgets, key=lambda b: b.usable)
         why = ("its forward uses its submodules' weights directly" if name in measured.sealed
                else "it has no submodules that run on their own")
-        tied = f" (with {', '.join(members)}, which share its parameters)" if members else ""
+        tied = f" (tied: {measured.tie_of(name)}, so they stay on one device)" if members else ""
         raise SplitError(
             f"unit {name!r} ({type(sequence[worst][1]).__name__}){tied} needs {format_size(sizes[worst])} for "
             f"{what} plus {format_size(working)} of working space (the largest unit's input and output), but the "
@@ -64,8 +65,10 @@ def plan_module_budgets(model: nn.Module, budgets: list[Budget], sample: Any, *,
             "use training=False or a smaller batch"
         )
     plan = plan_costs(sequence, costs, budgets, sample_given=sample is not None, factor=factor,
-                      training=training, spread=spread)
-    plan.reasons.append(f"units: {len(sequence)} submodules of {type(model).__name__}"
+                      training=training, spread=spread,
+                      tied={name: measured.tie_of(name) for name in measured.group_ties})
+    groups = f" in {len(sequence)} tie groups" if len(sequence) < len(measured.units) else ""
+    plan.reasons.append(f"units: {len(measured.units)} submodules of {type(model).__name__}{groups}"
                         + (", in the order they run on the sample" if sample is not None
                            else ", in the order they are registered"))
-    return finish_plan(plan, followers, ties, measured.units)
+    return finish_plan(plan, followers, ties, measured.units, measured.repeats)

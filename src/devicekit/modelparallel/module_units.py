@@ -126,8 +126,9 @@ def _walk(model: nn.Module, opened: set[str]) -> list[Unit]:
     return units
 
 
-def tie_groups(units: list[Unit]) -> tuple[list[int], list[tuple[str, str]]]:
-    """Union of units sharing a tensor: ``root[i]`` per unit, and (name, other name) per tie."""
+def tie_groups(units: list[Unit]) -> tuple[list[int], list[tuple[str, str, int]]]:
+    """Union of units sharing a tensor: ``root[i]`` per unit, and per tie (name, other name,
+    index of the unit holding ``name``)."""
     root = list(range(len(units)))
 
     def find(i: int) -> int:
@@ -137,12 +138,12 @@ def tie_groups(units: list[Unit]) -> tuple[list[int], list[tuple[str, str]]]:
         return i
 
     owner: dict[int, tuple[int, str]] = {}
-    ties: list[tuple[str, str]] = []
+    ties: list[tuple[str, str, int]] = []
     for i, unit in enumerate(units):
         for name, tensor in unit.tensors():
             first = owner.setdefault(id(tensor), (i, name))
             if first[0] != i:
-                ties.append((name, first[1]))
+                ties.append((name, first[1], i))
                 a, b = find(i), find(first[0])
                 root[max(a, b)] = min(a, b)
     return [find(i) for i in range(len(units))], ties

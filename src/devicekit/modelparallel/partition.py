@@ -17,14 +17,22 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from devicekit.errors import InvalidValueError
 from devicekit.modelparallel.balance import max_over_mean
 from devicekit.units import format_size
 
-__all__ = ["Part", "Plan"]
+if TYPE_CHECKING:
+    from torch import nn
+
+    from devicekit.modelparallel.layer_profile import LayerCost
+
+__all__ = ["Part", "Plan", "check_counts", "plan_from_counts"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +152,56 @@ class Plan:
         notes += [f"tied: {t}" for t in self.tied]
         notes += [f"- {r}" for r in self.reasons]
         return Group(table, *(Text(n) for n in notes))
+
+
+def check_counts(counts: Any, layers: int, parts: int, *, what: str = "layer") -> list[int]:
+    """Validate explicit counts: ``parts`` positive ints summing to ``layers``."""
+    try:
+        values = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise InvalidValueError(f"balance {counts!r} is not a list of {what} counts; e.g. [3, 2]") from None
+    if any(isinstance(c, bool) for c in counts) or any(v < 1 for v in values):
+        raise InvalidValueError(f"balance {counts!r} must hold positive {what} counts, one per device")
+    if len(values) != parts:
+        raise InvalidValueError(f"balance {counts!r} has {len(values)} entries for {parts} device(s); give one per device")
+    if sum(values) != layers:
+        raise InvalidValueError(f"balance {counts!r} sums to {sum(values)} but the model has {layers} {what}s")
+    return values
+
+
+def plan_from_counts(
+    layers: Sequence[tuple[str, nn.Module]],
+    costs: Sequence[LayerCost],
+    devices: Sequence[torch.device],
+    counts: Sequence[int],
+    *,
+    basis: str,
+    optimizer: float,
+    training: bool = True,
+    reasons: list[str] | None = None,
+    budgets: Sequence[int | None] | None = None,
+) -> Plan:
+    """A :class:`Plan` from layer (or unit) counts per device; zero-count devices are left out."""
+    parts: list[Part] = []
+    start = 0
+    for i, (device, count) in enumerate(zip(devices, counts, strict=True)):
+        if count == 0:
+            continue
+        chunk = costs[start:start + count]
+        seconds = [c.seconds for c in chunk]
+        memory = sum(c.memory(training=training, optimizer=optimizer) for c in chunk)
+        memory += max((c.transient_bytes for c in chunk), default=0)  # peak working set
+        parts.append(Part(
+            index=len(parts), device=device, start=start, stop=start + count,
+            layer_names=tuple(name for name, _ in layers[start:start + count]),
+            parameters=sum(c.parameters for c in chunk), memory=int(memory),
+            seconds=None if any(s is None for s in seconds) else float(sum(s or 0.0 for s in seconds)),
+            budget=None if budgets is None else budgets[i],
+        ))
+        start += count
+    if training:
+        what = (f"training, optimizer state = {optimizer:g}x weights: weights + grads + state + saved "
+                "activations + the largest layer's input and output")
+    else:
+        what = "inference: weights + buffers + the largest layer's input and output"
+    return Plan(parts=parts, basis=basis, memory_basis=what, reasons=list(reasons or []))

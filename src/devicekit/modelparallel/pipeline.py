@@ -67,6 +67,7 @@ from torch import nn
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
 from devicekit.modelparallel.chain import Chain, check_per_sample, to_chain
+from devicekit.modelparallel.layer_plan import Balance, make_parts, resolve
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan
@@ -78,7 +79,6 @@ from devicekit.modelparallel.recompute import (
     generator_states,
 )
 from devicekit.modelparallel.schedule import bubble_fraction
-from devicekit.modelparallel.split import Balance, make_parts, resolve
 from devicekit.modelparallel.stays import StaysOnPlan
 from devicekit.modelparallel.worker import StageWorkers
 

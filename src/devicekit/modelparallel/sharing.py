@@ -64,9 +64,11 @@ def find_spans(layers: Sequence[tuple[str, nn.Module]]) -> list[Span]:
     for uses in tensor_at.values():
         positions = sorted({i for i, _ in uses})
         if len(positions) > 1:
-            others = ", ".join(f"'{names[p]}'" for p in positions[1:])
+            kind, _, first = uses[0][1].partition(" ")
+            others = ", ".join(label.partition(" ")[2] for _, label in uses[1:])
+            layers_named = ", ".join(f"'{names[p]}'" for p in positions)
             spans.setdefault((positions[0], positions[-1]),
-                             f"{uses[0][1]} is shared (tied) with layer(s) {others}")
+                             f"{kind} {first} is shared (tied) with {others}, used by layers {layers_named}")
     return [Span(first, last, what) for (first, last), what in sorted(spans.items())]
 
 

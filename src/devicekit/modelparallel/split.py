@@ -1,251 +1,115 @@
-"""Split a model into consecutive parts on several devices (model parallelism).
+"""Split a model into parts on several devices (model parallelism): ``dk.split``.
 
 What the seeds do by hand (``sub_network1.cuda(0)``, ``x = x.cuda(1)`` inside ``forward``),
-done for any model: the model is cut into balanced consecutive parts, each part is moved to its
-device, and activations are moved from part to part, so autograd carries gradients back across
-devices. Devices may repeat and may be ``"cpu"`` (offload).
+done for any model, with one path for every kind of model: the model's units (submodules; for
+an ``nn.Sequential`` its layers, nested plain Sequentials opened) are measured in the order they
+run (:mod:`~devicekit.modelparallel.unit_plan`), balanced over the devices, and placed
+(:mod:`~devicekit.modelparallel.module_split`): hooks move each unit's inputs to its device,
+outputs stay where they are produced, so autograd carries gradients back across devices.
+Devices may repeat and may be ``"cpu"`` (offload).
 
-* An ``nn.Sequential`` (this module: :class:`SplitModel`) is cut between its layers; input goes
-  in on the first device, output comes out on the last.
-* Any other ``nn.Module`` (:mod:`~devicekit.modelparallel.module_split`: ``ModuleSplit``) is cut
-  between its submodules in the order they run on ``sample``; hooks move each submodule's inputs
-  to its device, ops in the parents' own ``forward`` that meet two devices are joined, tied
-  parameters keep their modules on one device.
-* A layer object listed twice runs twice, and layers or modules that share a parameter (tied
-  weights) are kept on one device (the plan says so; :mod:`devicekit.modelparallel.sharing`).
+* Units that share a parameter or buffer (tied weights) are kept on one device, wherever they
+  are in the model: ``layer3`` tied to ``layer1`` joins ``layer1``'s device even when ``layer2``
+  runs elsewhere between them (a device map need not be consecutive). The plan says so.
+* An ``nn.Sequential`` and the same layers inside a custom module plan and run the same way;
+  the Sequential's split is a :class:`SplitModel` (a :class:`ModuleSplit` that also offers
+  ``.parts``, what each device holds).
 * A split model stays where it was planned: ``.to(device)``, ``.cuda()`` and ``.cpu()`` are
-  refused (dtype casts are fine); split again to move it.
+  refused (dtype casts are fine); ``.unsplit()`` and split again to move it.
+* A pipeline needs more: its parts run one after another, so each must be consecutive layers
+  (:mod:`~devicekit.modelparallel.layer_plan`, which refuses a tie it cannot keep in one part).
 
 Usage::
 
     import torch
-    from torch import nn
+    import torch
+from torch import nn
     import devicekit as dk
 
     model = dk.split(Net(), ["cuda:0", "cuda:1"])          # the seeds' Net, in one line
-    model = dk.split(GPT(), ["cuda:0", "cuda:1"], sample=tokens)   # any module; tied head kept
+    model = dk.split(GPT(), ["cuda:0", "cuda:1"], sample=tokens)   # tied head kept with the embedding
     seq = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))
     seq = dk.split(seq, ["cuda:0", "cuda:1"], sample=torch.randn(64, 1024))
-    print(seq.plan)                   # parts, layers, parameters, memory, balance
-    dk.split(seq.module, ["cuda:0", "cpu"], balance=[2, 1])   # explicit layer counts, CPU offload
+    print(seq.plan)                   # parts, units, parameters, memory, balance, ties
+    dk.split(seq.unsplit(), ["cuda:0", "cpu"], balance=[2, 1])   # explicit counts, CPU offload
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from devicekit.errors import InvalidValueError, SplitError
-from devicekit.modelparallel.balance import balance_cost
+from devicekit.errors import SplitError
 from devicekit.modelparallel.device_list import parse_devices
-from devicekit.modelparallel.layer_profile import (
-    LayerCost,
-    optimizer_factor,
-    profile_layers,
-    sequential_layers,
-)
+from devicekit.modelparallel.layer_plan import Balance, build_plan, make_parts, resolve
+from devicekit.modelparallel.layer_profile import sequential_layers
 from devicekit.modelparallel.microbatch import move
-from devicekit.modelparallel.partition import Part, Plan
-from devicekit.modelparallel.sharing import (
-    Span,
-    block_costs,
-    blocks,
-    check_cuts,
-    expand_counts,
-    find_spans,
-    must_keep_together,
-)
+from devicekit.modelparallel.module_split import ModuleSplit
+from devicekit.modelparallel.module_units import is_plain_sequential
+from devicekit.modelparallel.partition import Plan, check_counts
 from devicekit.modelparallel.stays import StaysOnPlan
+from devicekit.modelparallel.unit_plan import plan_module
 
-if TYPE_CHECKING:
-    from devicekit.modelparallel.module_split import ModuleSplit
-
-__all__ = ["split", "SplitModel", "StaysOnPlan", "build_plan", "check_counts", "make_parts"]
-
-Balance = str | Sequence[int]
-
-
-def check_counts(counts: Any, layers: int, parts: int) -> list[int]:
-    """Validate explicit layer counts: ``parts`` positive ints summing to ``layers``."""
-    try:
-        values = [int(c) for c in counts]
-    except (TypeError, ValueError):
-        raise InvalidValueError(f"balance {counts!r} is not a list of layer counts; e.g. [3, 2]") from None
-    if any(isinstance(c, bool) for c in counts) or any(v < 1 for v in values):
-        raise InvalidValueError(f"balance {counts!r} must hold positive layer counts, one per device")
-    if len(values) != parts:
-        raise InvalidValueError(f"balance {counts!r} has {len(values)} entries for {parts} device(s); give one per device")
-    if sum(values) != layers:
-        raise InvalidValueError(f"balance {counts!r} sums to {sum(values)} but the model has {layers} layers")
-    return values
+# Balance, build_plan, check_counts, make_parts, resolve, StaysOnPlan: their homes are
+# layer_plan, partition and stays; still importable from here, where they used to live.
+__all__ = ["split", "SplitModel", "ModuleSplit", "StaysOnPlan", "Balance", "build_plan", "check_counts",
+           "make_parts", "resolve"]
 
 
-def build_plan(
-    layers: list[tuple[str, nn.Module]],
-    devices: list[torch.device],
-    *,
-    balance: Balance = "size",
-    sample: Any = None,
-    optimizer: str | float | None = "adam",
-    separate: bool = False,
-) -> Plan:
-    """Measure the layers and cut them into ``len(devices)`` balanced parts.
+class SplitModel(ModuleSplit):
+    """An ``nn.Sequential`` split over devices: a :class:`ModuleSplit` whose units are its layers.
 
-    Layers that share an object stay on one device when the devices differ (or, with
-    ``separate``, always: each part is its own process's copy)."""
-    factor = optimizer_factor(optimizer)
-    reasons: list[str] = []
-    spans = find_spans(layers)
-    together = bool(spans) and must_keep_together(devices, separate=separate)
-    if isinstance(balance, str):
-        if balance not in ("size", "time"):
-            raise InvalidValueError(f"balance {balance!r} is unknown; use 'size', 'time' or a list of layer counts")
-        if len(devices) > len(layers):
-            raise SplitError(
-                f"cannot cut {len(layers)} layer(s) into {len(devices)} parts; pass at most {len(layers)} devices"
-            )
-        runs = blocks(len(layers), spans) if together else [(i, i + 1) for i in range(len(layers))]
-        if len(devices) > len(runs):
-            widest = max(spans, key=lambda s: s.last - s.first)
-            raise SplitError(
-                f"{widest.what}, so layers {widest.first}..{widest.last} must stay on one device; "
-                f"the rest cannot fill {len(devices)} parts: pass at most {len(runs)} devices or untie it"
-            )
-        costs = profile_layers(layers, sample, measure_time=balance == "time")
-        weights = ([c.seconds or 0.0 for c in costs] if balance == "time"
-                   else [c.memory(training=True, optimizer=factor) for c in costs])
-        counts = expand_counts(balance_cost(block_costs(weights, runs), len(devices)), runs)
-        basis = balance
-        if sample is None:
-            reasons.append("no sample given: activations are not counted; pass sample=<a batch> to count them")
-    else:
-        counts = check_counts(balance, len(layers), len(devices))
-        if together:
-            check_cuts(spans, counts, devices, separate=separate)
-        costs = profile_layers(layers, sample)
-        basis = "given"
-    reasons.append(f"{len(layers)} layers cut into {len(devices)} consecutive parts: {counts}")
-    reasons.extend(sharing_reasons(spans, together, devices))
-    return plan_from_counts(layers, costs, devices, counts, basis=basis, optimizer=factor, reasons=reasons)
+    ``module`` is the original Sequential (same parameters; state_dict keys with a ``module.``
+    prefix), ``plan`` says where each layer went, ``parts`` what each device holds."""
 
+    split_again = "dk.split(model.unsplit(), [...])"
 
-def sharing_reasons(spans: Sequence[Span], together: bool, devices: Sequence[torch.device]) -> list[str]:
-    """One plan line per shared object: kept on one device, or harmless on one device."""
-    if together:
-        return [f"{s.what}: layers {s.first}..{s.last} kept on one device" for s in spans]
-    return [f"{s.what}: every part is on {devices[0]}, so they share one copy" for s in spans]
+    def __init__(self, module: nn.Module, plan: Plan) -> None:
+        route = _route(module, plan)
+        super().__init__(module, plan, hooks=route is None)
+        #: (layer, device) in run order when every layer is placed whole: the forward moves each
+        #: layer's input itself, without hooks or the parent-code mode (a Sequential has no
+        #: code of its own); None when the plan opened a layer (then the hooks place its pieces)
+        self._route = route
 
-
-def plan_from_counts(
-    layers: list[tuple[str, nn.Module]],
-    costs: list[LayerCost],
-    devices: Sequence[torch.device],
-    counts: Sequence[int],
-    *,
-    basis: str,
-    optimizer: float,
-    training: bool = True,
-    reasons: list[str] | None = None,
-    budgets: Sequence[int | None] | None = None,
-) -> Plan:
-    """A :class:`Plan` from layer counts per device (zero-count devices are left out)."""
-    parts: list[Part] = []
-    start = 0
-    for i, (device, count) in enumerate(zip(devices, counts, strict=True)):
-        if count == 0:
-            continue
-        chunk = costs[start:start + count]
-        seconds = [c.seconds for c in chunk]
-        memory = sum(c.memory(training=training, optimizer=optimizer) for c in chunk)
-        memory += max((c.transient_bytes for c in chunk), default=0)  # peak working set
-        parts.append(Part(
-            index=len(parts), device=device, start=start, stop=start + count,
-            layer_names=tuple(name for name, _ in layers[start:start + count]),
-            parameters=sum(c.parameters for c in chunk), memory=int(memory),
-            seconds=None if any(s is None for s in seconds) else float(sum(s or 0.0 for s in seconds)),
-            budget=None if budgets is None else budgets[i],
-        ))
-        start += count
-    if training:
-        what = (f"training, optimizer state = {optimizer:g}x weights: weights + grads + state + saved "
-                "activations + the largest layer's input and output")
-    else:
-        what = "inference: weights + buffers + the largest layer's input and output"
-    return Plan(parts=parts, basis=basis, memory_basis=what, reasons=list(reasons or []))
-
-
-def make_parts(layers: list[tuple[str, nn.Module]], plan: Plan) -> list[nn.Sequential]:
-    """Move each part's layers to its device and wrap them in an ``nn.Sequential``."""
-    parts = []
-    for part in plan.parts:
-        chunk = layers[part.start:part.stop]
-        seq = nn.Sequential(OrderedDict((name.replace(".", "_"), layer) for name, layer in chunk))
-        if part.device.type != "meta" and any(
-            t.device.type == "meta" for t in (*seq.parameters(), *seq.buffers())
-        ):
-            raise SplitError(
-                f"layers {part.layer_range} have parameters on the meta device and cannot move to "
-                f"{part.device}; use dk.plan_devices on the meta model, then build the real model and split it"
-            )
-        parts.append(seq.to(part.device))
-    return parts
-
-
-class SplitModel(StaysOnPlan):
-    split_again = "dk.split(model.module, [...])"
-
-    """A sequential model whose parts live on different devices; ``forward`` hands activations on.
-
-    ``module`` is the original model (same parameters, same state_dict keys with a ``module.``
-    prefix); ``parts`` are its consecutive slices, ``plan`` says where each one went.
-    """
-
-    def __init__(self, module: nn.Module, parts: list[nn.Sequential], plan: Plan) -> None:
-        super().__init__()
-        self.module = module
-        self._parts = parts
-        self.plan = plan
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._route is None or kwargs or len(args) != 1:
+            return super().forward(*args, **kwargs)
+        x = args[0]
+        for layer, device in self._route:
+            x = layer(move(x, device))
+        return x
 
     @property
     def parts(self) -> list[nn.Sequential]:
-        return list(self._parts)
+        """Per part, its layers (tied followers last) as an ``nn.Sequential`` on the part's device.
 
-    @property
-    def devices(self) -> list[torch.device]:
-        return self.plan.devices
-
-    def forward(self, x: Any) -> Any:
-        for device, part in zip(self.plan.devices, self._parts, strict=True):
-            x = part(move(x, device))
-        return x
-
-    def extra_repr(self) -> str:
-        return f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}"
+        These are views for inspection and per-device bookkeeping (parameters, memory): run the
+        split model itself, since a part's layers need not be consecutive in the model."""
+        out = []
+        for part in self.plan.parts:
+            names = (*part.layer_names, *part.tied_names)
+            out.append(nn.Sequential(OrderedDict(
+                (name.replace(".", "_"), self.module.get_submodule(name)) for name in names)))
+        return out
 
 
-def resolve(
-    model: nn.Module, devices: Any, balance: Balance, sample: Any, optimizer: str | float | None,
-    *, separate: bool = False,
-) -> tuple[list[tuple[str, nn.Module]], Plan]:
-    """The layers of ``model`` and the plan for ``devices`` (a device list or a ready Plan).
-
-    ``separate``: each part runs in its own process, so shared objects must stay in one part."""
-    layers = sequential_layers(model)
-    if isinstance(devices, Plan):
-        counts = devices.counts
-        if sum(counts) != len(layers):
-            raise SplitError(f"plan covers {sum(counts)} layers but the model has {len(layers)}; plan this model")
-        parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
-        spans = find_spans(layers)
-        if spans and must_keep_together(devices.devices, separate=separate):
-            check_cuts(spans, counts, devices.devices, separate=separate)
-        return layers, devices
-    return layers, build_plan(layers, parse_devices(devices), balance=balance, sample=sample,
-                              optimizer=optimizer, separate=separate)
+def _route(module: nn.Module, plan: Plan) -> list[tuple[nn.Module, torch.device]] | None:
+    """Each layer of the Sequential with its planned device, or None if a layer is not placed whole."""
+    where = {name: part.device for part in plan.parts for name in (*part.layer_names, *part.tied_names)}
+    placed: dict[int, torch.device] = {}
+    route = []
+    for name, layer in sequential_layers(module):
+        device = where.get(name) or placed.get(id(layer))  # a layer listed again runs where it lives
+        if device is None:
+            return None
+        placed[id(layer)] = device
+        route.append((layer, device))
+    return route
 
 
 def split(
@@ -255,25 +119,21 @@ def split(
     balance: Balance = "size",
     sample: Any = None,
     optimizer: str | float | None = "adam",
-) -> SplitModel | ModuleSplit:
-    """Cut ``model`` into parts on ``devices``; return the split model.
-
-    An ``nn.Sequential`` is cut between its layers (a :class:`SplitModel`); any other module
-    between its submodules, in the order they run on ``sample`` (a
-    :class:`~devicekit.modelparallel.module_split.ModuleSplit`).
+) -> ModuleSplit:
+    """Cut ``model`` into parts on ``devices``; return the split model (see the module doc).
 
     ``devices``: a list (repeats and ``"cpu"`` allowed) or a :class:`Plan` from
     ``dk.plan_devices``. ``balance``: ``"size"`` (weights, grads, ``optimizer`` state and, with
-    a ``sample``, saved activations), ``"time"`` (forward+backward per layer on ``sample``) or
-    a list of layer counts. The parameters move; the model object is reused, not copied.
+    a ``sample``, saved activations), ``"time"`` (each unit's forward, timed on ``sample``) or
+    a list of unit counts (tied units count once, with the first one). The parameters move; the
+    model object is reused, not copied. A plain ``nn.Sequential`` gives a :class:`SplitModel`.
     """
-    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
-        from devicekit.modelparallel.module_split import split_module
-
-        if not isinstance(devices, Plan):
-            devices = parse_devices(devices)
-        else:
-            parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
-        return split_module(model, devices, balance=balance, sample=sample, optimizer=optimizer)
-    layers, plan = resolve(model, devices, balance, sample, optimizer)
-    return SplitModel(model, make_parts(layers, plan), plan)
+    plain = is_plain_sequential(model)
+    if plain and len(model) == 0:
+        raise SplitError("model nn.Sequential() has no layers; there is nothing to split")
+    if isinstance(devices, Plan):
+        parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        plan = devices
+    else:
+        plan = plan_module(model, parse_devices(devices), balance=balance, sample=sample, optimizer=optimizer)
+    return (SplitModel if plain else ModuleSplit)(model, plan)

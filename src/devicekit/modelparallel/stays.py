@@ -22,7 +22,17 @@ from torch import nn
 from devicekit.errors import SplitError
 from devicekit.modelparallel.partition import Plan
 
-__all__ = ["StaysOnPlan"]
+__all__ = ["StaysOnPlan", "SPLIT_ATTR", "refuse_if_split"]
+
+#: set on a model whose units a ModuleSplit holds (its hooks are on), so it is not split twice
+SPLIT_ATTR = "_devicekit_split_devices"
+
+
+def refuse_if_split(model: nn.Module) -> None:
+    """Refuse to plan or split a model that is split already (its hooks move inputs as planned)."""
+    if getattr(model, SPLIT_ATTR, None) is not None or isinstance(model, StaysOnPlan):
+        raise SplitError(f"model {type(model).__name__} is already split; call .unsplit() on the split "
+                         "model first, then split it again")
 
 
 class StaysOnPlan(nn.Module):

@@ -5,9 +5,9 @@ device (``dist``, ``rank``, cluster ``environments``), DDP set-up, samplers, epo
 inputs and checkpoints (``ddp``), weighted data for mixed GPUs (``weighted_loader``,
 ``weighted_split``), single-process DataParallel without the device-0 hotspot
 (``balanced_dp``), FSDP2 sharding per block (``shard``, ``blocks``). Starting and supervising
-the processes is :mod:`devicekit.launch`, one floor up.
+the processes is :mod:`devicekit.jobs`, one floor up.
 
-May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). Never ``launch``,
+May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). Never ``jobs``,
 ``strategy``, ``cli`` or ``integrations``.
 
 Usage::
@@ -21,7 +21,7 @@ Usage::
         for x, y in loader: ...
 
 Old paths: the launch modules (``run``, ``launch``, ``supervise``, ...) moved to
-:mod:`devicekit.launch` and ``advise``/``equivalence`` to :mod:`devicekit.strategy`;
+:mod:`devicekit.jobs` and ``advise``/``equivalence`` to :mod:`devicekit.strategy`;
 ``devicekit.parallel.<old>`` still imports them, with a ``DeprecationWarning``, until the next
 release.
 """
@@ -29,7 +29,7 @@ release.
 from devicekit.moved import alias_modules
 
 alias_modules("devicekit.parallel", {
-    **{name: f"devicekit.launch.{name}" for name in (
+    **{name: f"devicekit.jobs.{name}" for name in (
         "run", "run_world", "supervise", "launch", "outer", "rank_process", "torchrun_entry",
         "allocation", "threads")},
     "advise": "devicekit.strategy.advise",

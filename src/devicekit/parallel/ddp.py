@@ -27,6 +27,7 @@ runs as a plain single-process job.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -268,9 +269,11 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any] | 
     """The whole optimizer's state dict; for ``ZeroRedundancyOptimizer`` (each rank holds a shard)
     every rank joins the consolidation onto rank 0, which alone gets the state (it alone writes).
     Its ``load_state_dict`` takes that full state on every rank and keeps each rank's shard."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    # An optimizer can only be a ZeroRedundancyOptimizer if its module is already imported;
+    # importing it just for the isinstance check prints torch's 8 `torch.jit.script is
+    # deprecated` warnings (torch.distributed.optim scripts its functional optimizers) per rank.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return optimizer.state_dict()
     import torch.distributed as dist
 

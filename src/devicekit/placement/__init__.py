@@ -11,6 +11,8 @@ One concept per module:
 - ``metrics``: ``RunningMean``, ``MetricLog`` kept on the device
 - ``sync_guard``: find hidden host synchronisations
 
+May import: ``units``, ``errors``, ``hardware`` (and torch).
+
 Usage::
 
     import devicekit as dk

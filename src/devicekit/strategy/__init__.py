@@ -3,11 +3,11 @@
 ``advise`` ranks the ways to train a model on the GPUs at hand (one GPU, DDP, FSDP, a split,
 offload) from the memory estimate and the model-parallel planner; ``equivalence`` runs one
 parallel step beside one single-process step and names the cause when they differ (sum vs
-mean, unsynchronised BatchNorm, ...). It sits above both parallel wings and ``launch``
+mean, unsynchronised BatchNorm, ...). It sits above both parallel wings and ``jobs``
 because it consults all of them.
 
 May import: every wing below (``units`` ... ``memory``, ``parallel``, ``modelparallel``,
-``launch``). Never ``cli`` or ``integrations``.
+``jobs``). Never ``cli`` or ``integrations``.
 
 Usage::
 

@@ -185,7 +185,7 @@ def _run_parallel(parallel: str | Callable[..., Any], model_fn: Callable[[], nn.
         grads = _ddp_rank_step(model_fn, state, batch, loss_fn, seed)
         return grads, dist.get_world_size(), "DDP"
     if parallel == "ddp":
-        from devicekit.launch.launch import launch
+        from devicekit.jobs.launch import launch
 
         cpu = torch.device("cpu")
         cpu_state = {k: v.detach().cpu() for k, v in state.items()}

@@ -12,9 +12,13 @@ Usage::
     print(ld.report())
     report.leaks[0].holder, report.leaks[0].lineno, report.to_json()
 
-Modules: ``holders`` (what to watch), ``measure`` (how big), ``trend`` (is it growing),
-``lines`` (which line), ``cycles`` (reference cycles), ``verdict`` (kind and fix),
-``report`` (Leak, LeakReport), ``detector`` (LeakDetector), ``find`` (find_leaks).
+Part of the ``memory`` wing: imports ``units``, ``errors``, ``hardware``, ``placement``.
+
+Modules: ``holders`` (what to watch by name), ``survivors`` (tensors that outlive the next
+step), ``reach`` (the named path to a survivor), ``discovery`` (survivors to holders),
+``measure`` (how big), ``trend`` (is it growing), ``lines`` (which line), ``cycles`` (reference
+cycles), ``verdict`` (kind, detail and fix), ``report`` (Leak, LeakReport), ``detector``
+(LeakDetector), ``find`` (find_leaks).
 """
 
 from __future__ import annotations

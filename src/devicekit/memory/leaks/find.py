@@ -20,17 +20,37 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.leaks.detector import LeakDetector
+from devicekit.memory.leaks.discovery import code_roots
 from devicekit.memory.leaks.report import LeakReport
 from devicekit.memory.roots import Root, frame_roots, function_roots
 
 __all__ = ["find_leaks"]
+
+
+def _globals_of(step: Callable[..., Any]) -> dict[str, Any]:
+    """The module globals of the code behind ``step`` (function, method, partial, callable)."""
+    inner: Any = step
+    for _ in range(4):
+        if isinstance(inner, functools.partial):
+            inner = inner.func
+        elif hasattr(inner, "__func__"):
+            inner = inner.__func__
+        elif not hasattr(inner, "__globals__") and isinstance(vars(type(inner)).get("__call__"),
+                                                              types.FunctionType):
+            inner = vars(type(inner))["__call__"]
+        else:
+            break
+    found = getattr(inner, "__globals__", None)
+    return found if isinstance(found, dict) else {}
 
 
 def _takes_index(step: Callable[..., Any]) -> bool:
@@ -64,6 +84,8 @@ def find_leaks(step: Callable[..., Any], *, steps: int = 6, warmup: int = 2, lin
     fixed_roots: list[Root] = function_roots(step) + frame_roots(caller, include_globals=False)
     detector = LeakDetector(warmup=warmup, lines=lines, cycles=cycles, watch=watch)
     detector._roots_of = lambda _frame: fixed_roots + detector._extra
+    code = code_roots(_globals_of(step)) + code_roots(caller.f_locals)
+    detector._code_roots_of = lambda _frame: code
     with_index = _takes_index(step)
     detector.start(None)
     try:

@@ -28,7 +28,7 @@ from devicekit.memory.roots import MISSING, Root, is_plain_value
 
 __all__ = ["Holder", "discover"]
 
-_ORIGIN_RANK = {"local": 0, "closure": 1, "self": 2, "global": 3}
+_ORIGIN_RANK = {"watch": -1, "local": 0, "closure": 1, "self": 2, "global": 3}  # watch=: named by the user
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def discover(roots: Iterable[Root], *, max_depth: int = 2) -> dict[str, Holder]:
             continue
         for found in walk(root.name, value, max_depth=max_depth):
             obj = found.value
-            if not isinstance(obj, (torch.Tensor, *CONTAINERS)) or isinstance(obj, torch.nn.Parameter):
+            cls = type(obj)  # not isinstance: a dead weak proxy raises on __class__
+            if not issubclass(cls, (torch.Tensor, *CONTAINERS)) or issubclass(cls, torch.nn.Parameter):
                 continue
             holder = Holder(found.path, root.origin, found.in_module, root, found.steps)
             rank = (0 if found.in_module else 1, _ORIGIN_RANK.get(root.origin, 9), len(found.steps))

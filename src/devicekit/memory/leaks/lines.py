@@ -33,6 +33,7 @@ import torch
 
 from devicekit.memory.leaks.holders import Holder
 from devicekit.memory.leaks.monitoring import MonitoringEngine
+from devicekit.memory.leaks.reach import LRU_TYPE
 from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, is_user_file
 
@@ -49,6 +50,8 @@ def fingerprint(value: Any) -> _Print:
         return (id(value), value._version)
     if isinstance(value, CONTAINERS):
         return (id(value), len(value))
+    if isinstance(value, LRU_TYPE):
+        return (id(value), value.cache_info().currsize)
     return (id(value), 0)
 
 
@@ -97,7 +100,7 @@ class LineTracer:
         """Trace user code from now; ``frame``: an already running frame to trace too."""
         if self.active:
             return True
-        engine = MonitoringEngine.take(self._on_line, self.check, self._is_user)
+        engine = MonitoringEngine.take(self._on_line, self._on_return, self._is_user)
         if engine is not None:  # Python 3.12+: cheaper, and coexists with debuggers and coverage
             self._engine = engine
             engine.start(frame)
@@ -168,5 +171,13 @@ class LineTracer:
         if event == "line":
             self._on_line(frame, frame.f_code.co_filename, frame.f_lineno)
         elif event == "return":
-            self.check()
+            self._on_return(frame)
         return self._local
+
+    def _on_return(self, frame: types.FrameType) -> None:
+        """Check, then charge what happens next to the caller's line: ``history.append(f())``
+        stores after ``f`` returned, on the caller's line, not on ``f``'s last one."""
+        self.check()
+        back = frame.f_back
+        if back is not None and self._is_user(back.f_code):
+            self._prev = (back.f_code.co_filename, back.f_lineno)

@@ -28,10 +28,11 @@ _TOOL_IDS = (4, 3)  # ids no standard tool claims (0 debugger, 1 coverage, 2 pro
 
 
 class MonitoringEngine:
-    """Calls ``on_line(frame, filename, lineno)`` and ``on_return()`` for user code only."""
+    """Calls ``on_line(frame, filename, lineno)`` and ``on_return(frame)`` for user code only."""
 
     def __init__(self, tool: int, on_line: Callable[[types.FrameType, str, int], None],
-                 on_return: Callable[[], None], is_user: Callable[[types.CodeType], bool]) -> None:
+                 on_return: Callable[[types.FrameType], None],
+                 is_user: Callable[[types.CodeType], bool]) -> None:
         self.tool = tool
         self._on_line = on_line
         self._on_return = on_return
@@ -40,7 +41,8 @@ class MonitoringEngine:
         self.active = False
 
     @classmethod
-    def take(cls, on_line: Callable[[types.FrameType, str, int], None], on_return: Callable[[], None],
+    def take(cls, on_line: Callable[[types.FrameType, str, int], None],
+             on_return: Callable[[types.FrameType], None],
              is_user: Callable[[types.CodeType], bool]) -> MonitoringEngine | None:
         monitoring = getattr(sys, "monitoring", None)
         if monitoring is None:
@@ -94,4 +96,4 @@ class MonitoringEngine:
         self._on_line(sys._getframe(1), code.co_filename, lineno)
 
     def _return(self, code: types.CodeType, offset: int, value: Any) -> None:
-        self._on_return()
+        self._on_return(sys._getframe(1))

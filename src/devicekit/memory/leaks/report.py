@@ -26,7 +26,17 @@ KINDS = {
     "module_cache": "tensors cached on a module",
     "reference_cycle": "reference cycle holding tensors",
     "growing_tensor": "tensor that keeps growing",
+    "hook_per_step": "hooks added every step",
+    "lru_cache": "lru_cache keeps every result",
+    "deferred_closure": "functions keep tensors they captured",
+    "exception_frames": "exceptions keep their frames",
+    "param_groups": "param groups added every step",
+    "buffer_per_step": "buffers registered every step",
+    "class_attribute": "class attribute grows",
 }
+
+#: steps the projection in reports speaks of ("+526 KiB/step = 5 GiB after 10,000 steps")
+PROJECTION_STEPS = 10_000
 
 
 @dataclass(frozen=True)
@@ -51,14 +61,27 @@ class Leak:
     nodes_per_step: float = 0.0
     estimated: bool = False
     series: list[int] = field(default_factory=list)
+    detail: str = ""
+    severity: str = "leak"
 
     @property
     def where(self) -> str:
         return f"{self.filename}:{self.lineno}" if self.lineno else "line unknown"
 
+    @property
+    def projection(self) -> str:
+        """What the rate means for a run: ``+526 KiB/step = 5 GiB after 10,000 steps``."""
+        return (f"+{format_size(self.bytes_per_step)}/step = "
+                f"{format_size(self.bytes_per_step * PROJECTION_STEPS)} after {PROJECTION_STEPS:,} steps")
+
     def __str__(self) -> str:
-        return (f"{self.holder}: {KINDS.get(self.kind, self.kind)}, +{format_size(self.bytes_per_step)}"
-                f"/step, extended at {self.where}\n    fix: {self.fix}")
+        name = f"{self.holder} ({self.detail})" if self.detail else self.holder
+        if self.severity == "minor":
+            return (f"{name}: slow growth, not a leak: a log of scalars that grows by "
+                    f"{format_size(self.bytes_per_step)}/step ({self.projection.split(' = ')[1]}), "
+                    f"extended at {self.where}\n    fix: {self.fix}")
+        return (f"{name}: {KINDS.get(self.kind, self.kind)}, {self.projection}, "
+                f"extended at {self.where}\n    fix: {self.fix}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,8 @@ class LeakReport:
     holders_tracked: int
     lines: bool
     notes: list[str] = field(default_factory=list)
+    #: slow growth that is not a leak (detached scalars logged every step), ranked after leaks
+    minor: list[Leak] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -80,7 +105,11 @@ class LeakReport:
         return next((leak for leak in self.leaks if leak.holder == holder), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for key in ("leaks", "minor"):
+            for item, leak in zip(data[key], getattr(self, key), strict=True):
+                item["projection"] = leak.projection
+        return data
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -90,7 +119,8 @@ class LeakReport:
                 f"{self.holders_tracked} holders tracked")
         if not self.leaks:
             head = f"no leak: {self.holders_tracked} holders tracked over {self.steps} steps ({self.warmup} warm-up)"
-        return "\n".join([head, *(f"  {leak}" for leak in self.leaks), *(f"  note: {n}" for n in self.notes)])
+        return "\n".join([head, *(f"  {leak}" for leak in self.leaks), *(f"  {m}" for m in self.minor),
+                          *(f"  note: {n}" for n in self.notes)])
 
     def __rich__(self) -> Any:
         from rich.table import Table
@@ -98,9 +128,10 @@ class LeakReport:
         table = Table(title=str(self).splitlines()[0], title_justify="left")
         for column in ("holder", "kind", "per step", "line", "fix"):
             table.add_column(column, justify="right" if column == "per step" else "left")
-        for leak in self.leaks:
-            table.add_row(leak.holder, KINDS.get(leak.kind, leak.kind), format_size(leak.bytes_per_step),
-                          leak.where, leak.fix)
+        for leak in [*self.leaks, *self.minor]:
+            name = f"{leak.holder} ({leak.detail})" if leak.detail else leak.holder
+            kind = "slow growth, not a leak" if leak.severity == "minor" else KINDS.get(leak.kind, leak.kind)
+            table.add_row(name, kind, format_size(leak.bytes_per_step), leak.where, leak.fix)
         if self.notes:
             table.caption = "\n".join(self.notes)
             table.caption_justify = "left"

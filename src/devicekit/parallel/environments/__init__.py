@@ -5,6 +5,9 @@ Each cluster environment is one small class with ``detect(environ)`` and ``read(
 order of precedence and returns the first that recognises the variables; a plain process is
 the fallback. ``dk.dist.env()`` is the public entry point.
 
+Part of the ``parallel`` wing (what a rank reads about itself); ``devicekit.jobs`` reads the
+same classes to join an outer launcher's job. Imports only ``errors``.
+
 Usage::
 
     from devicekit.parallel.environments import detect_environment

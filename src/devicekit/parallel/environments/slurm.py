@@ -3,8 +3,10 @@
 The master address is the first host of SLURM_JOB_NODELIST (bracket ranges such as
 ``node[01-03,07]`` are expanded here, no ``scontrol`` subprocess); the port is derived from
 SLURM_JOB_ID so every task of one job agrees without talking. MASTER_ADDR / MASTER_PORT win
-when set. An interactive allocation shell (``salloc``/``srun --pty bash``) is not a job step
-with ranks and is treated as a plain process.
+when set. An interactive allocation shell (``salloc``/``srun --pty bash``) and the sbatch
+script itself (no srun step id: SLURM_NTASKS is the job's, but no other task runs yet) are not
+tasks of a world and are treated as a plain process, by ``dk.dist`` and ``devicekit run`` alike.
+Node lists may be comma- or space-separated.
 
 Usage::
 
@@ -20,23 +22,19 @@ import re
 from collections.abc import Mapping
 
 from devicekit.errors import DistributedError
+from devicekit.hardware.slurm_job import in_slurm_job, is_batch_script
 from devicekit.parallel.environments.base import DistEnv, Environment, integer_variable
 
 __all__ = ["SlurmEnvironment", "expand_nodelist", "tasks_per_node", "port_for_job"]
 
-_INTERACTIVE_NAMES = ("bash", "interactive", "sh", "zsh")
-
-
 class SlurmEnvironment(Environment):
-    """Tasks started by ``srun`` inside a Slurm job."""
+    """Tasks started by ``srun`` inside a Slurm job (not the batch script, not ``salloc``'s shell)."""
 
     name = "slurm"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
-        if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
-            return False
-        return environ.get("SLURM_JOB_NAME", "") not in _INTERACTIVE_NAMES
+        return in_slurm_job(environ) and not is_batch_script(environ)
 
     def read(self) -> DistEnv:
         e = self.environ
@@ -126,7 +124,7 @@ def _split_top_level(nodelist: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise DistributedError(f"node list {nodelist!r} has an unbalanced bracket")
-        if char == "," and depth == 0:
+        if (char == "," or char.isspace()) and depth == 0:  # "a,b" or "a b c"
             names.append("".join(current))
             current = []
         else:

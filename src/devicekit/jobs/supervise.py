@@ -1,0 +1,215 @@
+"""Run a started job's command and supervise it: signals, exit codes, no orphans.
+
+The command runs in its own process group and gets SIGTERM if ``devicekit run`` dies
+(``PR_SET_PDEATHSIG``); SIGINT, SIGTERM and SIGHUP are forwarded to its group (killed after
+:data:`KILL_AFTER_SECONDS`); on a terminal it is the foreground group; descendants it leaves
+behind in other sessions (torchrun's ranks) are stopped when it exits. The exit code comes back
+as a shell gives it (128 + N for death by signal N).
+
+Usage::
+
+    from devicekit.jobs.supervise import execute
+
+    code = execute(plan)          # a RunPlan from devicekit.jobs.run.plan_run (type in launch.request)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from devicekit.errors import CommandNotFoundError
+from devicekit.hardware.stopped_jobs import StopMarker
+from devicekit.jobs.process_tree import ProcessTree
+
+if TYPE_CHECKING:
+    from devicekit.jobs.request import RunPlan
+
+__all__ = ["execute", "KILL_AFTER_SECONDS"]
+
+#: after forwarding a signal, how long the child may take before its group is killed
+KILL_AFTER_SECONDS = 15.0
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def execute(plan: RunPlan) -> int:
+    """Start the plan's command, forward signals to its process group, wait; its exit code.
+
+    Every process the command leaves behind, daemons included, is stopped before this returns
+    (:mod:`devicekit.jobs.process_tree`), so the leases end with the last of them.
+    """
+    with ProcessTree() as tree:
+        return _execute(plan, tree.env())
+
+
+def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
+    try:
+        child = subprocess.Popen(
+            plan.argv,
+            env={**plan.env, **marker},
+            pass_fds=plan.allocation.lease_fds,
+            preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
+        )
+    except OSError as exc:
+        raise CommandNotFoundError(
+            f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
+        ) from None
+    with contextlib.suppress(OSError):
+        os.setpgid(child.pid, child.pid)  # also from here, so it holds before we signal
+    forwarded: list[float] = []
+    signals: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(time.monotonic())
+        signals.append(signum)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signum)
+
+    # torchrun starts each rank in a session of its own: the ranks are not in the child's
+    # process group, so remember the child's descendants to stop any it leaves behind
+    family = _Descendants(child.pid)
+    marker = _stop_marker(plan)
+    ticks = 0
+    limit = plan.time_limit
+    if limit is not None:
+        limit.start()
+    with _terminal_given_to(child.pid), _handlers(forward):
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                ticks += 1
+                marker.update(child.pid)  # Ctrl-Z: status tells since when the job is stopped
+                if ticks % 5 == 1:
+                    family.update()
+                if limit is not None:  # run --time: SIGTERM at the limit, SIGKILL after grace
+                    limit.check(child.pid)
+                if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
+                    family.update()
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(child.pid, signal.SIGKILL)
+    marker.clear()
+    _reap_group(child.pid)
+    family.stop_survivors()
+    if limit is not None and limit.reached:
+        return limit.exit_code(code)
+    if code < 0:
+        return 128 - code
+    if signals and code != 0 and plan.distributed:
+        # torchrun turns a signal into its own exit code 1 (SignalException): give back the
+        # shell's 128 + N for the signal that stopped the job, as for a single process
+        return 128 + signals[0]
+    return code
+
+
+
+def _stop_marker(plan: RunPlan) -> StopMarker:
+    """The stopped-job marker in the lease directory, for a run that holds leases."""
+    if not plan.allocation.lease_fds:
+        return StopMarker(None)
+    from devicekit.hardware.lease_directory import lease_dir
+
+    return StopMarker(lease_dir())
+
+
+def _child_setup() -> None:
+    """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+
+
+@contextlib.contextmanager
+def _handlers(forward: Callable[[int, object], None]) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _terminal_given_to(pgid: int) -> Iterator[None]:
+    """Make the child's group the terminal's foreground group so Ctrl-C and pdb reach it."""
+    fd = None
+    try:
+        if sys.stdin is not None and sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp():
+            fd = sys.stdin.fileno()
+    except (OSError, ValueError):
+        fd = None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.tcsetpgrp(fd, pgid)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # we are in the background now
+            try:
+                with contextlib.suppress(OSError):
+                    os.tcsetpgrp(fd, os.getpgrp())
+            finally:
+                signal.signal(signal.SIGTTOU, old)
+
+
+class _Descendants:
+    """The child's descendants seen so far, to stop those that outlive it (orphaned ranks)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, object] = {}
+
+    def update(self) -> None:
+        import psutil
+
+        try:
+            for proc in psutil.Process(self.pid).children(recursive=True):
+                self.seen.setdefault(proc.pid, proc)
+        except psutil.Error:
+            pass
+
+    def stop_survivors(self) -> None:
+        """SIGTERM every remembered descendant still running, SIGKILL it after a grace period."""
+        import psutil
+
+        alive = []
+        for proc in self.seen.values():
+            try:  # is_running() also checks the start time: a reused pid is not ours
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # type: ignore[attr-defined]
+                    proc.terminate()  # type: ignore[attr-defined]
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        _, left = psutil.wait_procs(alive, timeout=3.0)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(left, timeout=1.0)
+
+
+def _reap_group(pgid: int) -> None:
+    """Stop whatever the child left behind in its process group (no orphans)."""
+    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)

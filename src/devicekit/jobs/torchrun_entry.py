@@ -1,0 +1,52 @@
+"""torchrun, with the failed rank's exit code passed through: what ``devicekit run`` starts.
+
+Plain torchrun (``python -m torch.distributed.run``) exits 1 and prints its own traceback when a
+rank fails, so a shell script or a Slurm requeue cannot tell ``exit 7`` from a crash of the
+launcher. This entry point runs torchrun itself (its own ``parse_args`` and ``run``: same flags,
+same rendezvous, same agent) and exits with the exit code of the rank that failed first (128+N
+when a signal N killed it), after one line that says which rank it was.
+
+Usage::
+
+    python -m devicekit.jobs.torchrun_entry --nproc-per-node 2 --no-python sh -c 'exit 7'
+    echo $?   # 7
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main", "exit_code_of"]
+
+
+def exit_code_of(exitcode: int) -> int:
+    """A shell's exit code for a process's: 128+N for death by signal N, never 0 for a failure."""
+    if exitcode < 0:
+        return 128 - exitcode
+    return exitcode or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with ``argv``; 0, or the exit code of the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = exit_code_of(failure.exitcode)
+        how = (f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
+               if failure.exitcode < 0 else f"exited with code {failure.exitcode}")
+        print(f"devicekit run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+              f"{how} first; exiting {code}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:  # devicekit run forwarded a signal: the shell's 128 + N
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""``devicekit serve``: a live status page, a Prometheus endpoint and the status JSON over HTTP.
+
+A front door like :mod:`devicekit.cli`: it reads :mod:`devicekit.hardware` (no torch) and
+nothing imports it but the CLI. One sampler thread takes the status every interval
+(:mod:`~devicekit.serve.sampler`); the stdlib HTTP server (:mod:`~devicekit.serve.server`)
+hands out what it built: the page (:mod:`~devicekit.serve.page`), ``/metrics``
+(:mod:`~devicekit.serve.metrics`, via prometheus-client) and ``/api/status``.
+
+Usage::
+
+    from devicekit.serve import StatusServer
+
+    with StatusServer("127.0.0.1", 9400, interval=2.0) as server:
+        print("open", server.url)
+        input("Enter to stop ")
+"""
+
+from __future__ import annotations
+
+from devicekit.serve.server import StatusServer
+
+__all__ = ["StatusServer"]

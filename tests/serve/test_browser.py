@@ -1,0 +1,100 @@
+"""The status page in a real headless browser (Debian's chromium through selenium): it renders
+every GPU, shows hostile text as text, updates in place when a lease starts, fits a phone, and
+its own CSP lets its own assets load. Skips cleanly where chromium or selenium is missing.
+
+Set ``DEVICEKIT_SERVE_SCREENSHOT=docs/serve.png`` to keep the screenshot (the README's).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import devicekit as dk
+from devicekit.hardware.leases import Lease
+from devicekit.serve import StatusServer
+from tests.serve.conftest import machine
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage",
+         "--disable-extensions", "--hide-scrollbars")
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed")
+if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    pytest.skip("chromium and chromium-driver not installed (apt-get install chromium "
+                "chromium-driver)", allow_module_level=True)
+
+from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM  # with both paths given, selenium downloads nothing
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument("--window-size=1280,1000")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    driver = webdriver.Chrome(options=options, service=service)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_page_in_a_browser(simulate, browser, tmp_path):
+    simulate(machine(4))
+    gpus = dk.gpus()
+    with StatusServer("127.0.0.1", 0, interval=0.3) as server, \
+            Lease.acquire([gpus[1].uuid], memory=20 * 2**30, command="python finetune.py"):
+        browser.get(server.url)
+        wait = WebDriverWait(browser, 60, poll_frequency=0.1)
+        # the live part is swapped in every 0.3 s: read it in one script, never stale
+        def read(selector: str, what: str = "textContent") -> list[str]:
+            return browser.execute_script(
+                "return Array.from(document.querySelectorAll(arguments[0]),"
+                " e => arguments[1] === 'class' ? e.className :"
+                " arguments[1].startsWith('data-') ? e.getAttribute(arguments[1]) :"
+                " e[arguments[1]]);", selector, what)
+
+        assert read("section.gpu", "data-uuid") == [g.uuid for g in gpus]
+        # hostile text is text: no alert, the markup visible as characters
+        with pytest.raises(NoAlertPresentException):
+            browser.switch_to.alert.text  # noqa: B018
+        commands = read("td.command")
+        assert any("<script>alert(1)</script>" in c and "\\x1b[2J" in c for c in commands)
+        assert read("#live script, #live img") == []
+        # a lease that starts shows up in place: no reload (the marker survives)
+        browser.execute_script("window.devicekitMarker = 42;")
+        third = f'section.gpu[data-uuid="{gpus[2].uuid}"]'
+        assert "leased" not in read(third, "class")[0]
+        with Lease.acquire([gpus[2].uuid], command="python eval.py"):
+            # (a sample taken between the lock and the lease file shows "held through its lock")
+            wait.until(lambda d: "leased by" in read(third, "innerText")[0])
+            assert "leased" in read(third, "class")[0]
+            assert "python eval.py" in read(third, "innerText")[0]
+            assert browser.execute_script("return window.devicekitMarker;") == 42
+            assert read("#state") == ["live"]
+            shot = Path(os.environ.get("DEVICEKIT_SERVE_SCREENSHOT") or tmp_path / "serve.png")
+            assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        # readable on a phone: one column, nothing wider than the screen
+        browser.set_window_size(390, 844)
+        wait.until(lambda d: d.execute_script("return window.innerWidth") <= 400)
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - window.innerWidth;")
+        assert overflow <= 0
+        lefts = browser.execute_script(
+            "return Array.from(document.querySelectorAll('section.gpu'),"
+            " e => e.getBoundingClientRect().left);")
+        assert len(set(lefts)) == 1 and len(lefts) == 4
+    # the page's own CSP let its own script and style load: no violation in the console
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not [e for e in errors if "Content Security Policy" in e or "/static/" in e], errors

@@ -1,0 +1,138 @@
+"""The page and metrics renderers on documents the live tests do not reach: the fair queue's
+optional ``queue`` section, MIG instances and their leases, many users, and inert text."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import devicekit as dk
+from devicekit.hardware.leases import Lease
+from devicekit.hardware.status import collect_status
+from devicekit.serve.inert import inert_html, inert_text
+from devicekit.serve.metrics import render_metrics
+from devicekit.serve.page import render_fragment, render_page
+from devicekit.serve.people import OTHER, user_totals
+from tests.conftest import h100
+from tests.serve.conftest import machine
+
+
+def values(text: bytes, metric: str) -> dict[tuple, float]:
+    found = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == metric:
+                found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def doc_with_queue(simulate) -> dict:
+    simulate(machine())
+    doc = json.loads(json.dumps(collect_status().to_dict()))
+    since = doc["taken_at"] - 3720
+    doc["queue"] = [
+        {"user": "bob", "gpus": 2, "since": since, "reason": "2 GPUs asked, 1 free"},
+        {"user": "bob", "gpus": 1, "since": since + 60, "reason": "waiting behind bob"},
+        {"user": "<i>carol</i>", "gpus": ["GPU-x", "GPU-y"], "since": since + 120,
+         "state": "reserved", "reason": "reserved \x1b[5mfor\x1b[0m carol"},
+    ]
+    return doc
+
+
+def test_queue_section_in_metrics_and_page(simulate):
+    doc = doc_with_queue(simulate)
+    text = render_metrics(doc)
+    assert values(text, "devicekit_queue_waiting_jobs") == {(): 3}
+    assert values(text, "devicekit_queue_oldest_since_timestamp_seconds") == {
+        (): doc["taken_at"] - 3720}
+    assert values(text, "devicekit_user_waiting_jobs")[(("user", "bob"),)] == 2
+    assert values(text, "devicekit_user_waiting_gpus")[(("user", "bob"),)] == 3
+    assert values(text, "devicekit_user_waiting_gpus")[(("user", "<i>carol</i>"),)] == 2
+    page = render_fragment(doc)
+    assert "<h2>Queue</h2>" in page and "2 GPUs asked, 1 free" in page
+    assert "1h 2m" in page  # bob has waited 62 minutes
+    assert "&lt;i&gt;carol&lt;/i&gt;" in page and "<i>carol" not in page
+    assert "\\x1b[5mfor" in page and "\x1b" not in page and "reserved" in page
+
+
+def test_no_queue_section_without_a_queue(simulate):
+    simulate(machine())
+    doc = collect_status().to_dict()
+    assert "Queue" not in render_fragment(doc)
+    assert values(render_metrics(doc), "devicekit_queue_waiting_jobs") == {(): 0}
+    doc["queue"] = []
+    assert "Nobody waits." in render_fragment(doc)
+
+
+def test_mig_instances_and_their_leases(simulate):
+    mig = [{"name": "1g.10gb", "memory_total": "10GiB", "memory_used": "1GiB"},
+           {"name": "3g.40gb", "memory_total": "40GiB", "memory_used": "0GiB"}]
+    simulate([h100(), {"name": "NVIDIA A100-SXM4-80GB", "memory_total": "80GiB",
+                       "memory_used": "1GiB", "utilization": 0, "mig": mig}])
+    parent = dk.gpus()[1]
+    instance = parent.mig_devices[1]
+    with Lease.acquire([instance.uuid], command="python mig.py"):
+        doc = collect_status().to_dict()
+    text = render_metrics(doc)
+    host = doc["host"]["hostname"]
+    used = values(text, "devicekit_mig_memory_used_bytes")
+    key = tuple(sorted({"gpu": "1", "mig": "0", "uuid": parent.mig_devices[0].uuid,
+                        "name": "1g.10gb", "hostname": host}.items()))
+    assert used[key] == 2**30 and len(used) == 2
+    total = values(text, "devicekit_mig_memory_total_bytes")
+    assert sorted(total.values()) == [10 * 2**30, 40 * 2**30]
+    (lease_key,) = values(text, "devicekit_lease_holders")
+    assert dict(lease_key)["gpu"] == "1" and dict(lease_key)["uuid"] == instance.uuid
+    page = render_fragment(doc)
+    assert f'data-uuid="{instance.uuid}"' in page and "3g.40gb" in page
+    row = page.split(f'data-uuid="{instance.uuid}"')[1].split("</tr>")[0]
+    assert dict(lease_key)["user"] in row  # the holder is shown on its instance
+    simulate([{"name": "NVIDIA A100-SXM4-80GB", "memory_total": "80GiB", "memory_used": "0GiB",
+               "utilization": 0, "mig": True}])
+    assert "MIG mode, no instances" in render_fragment(collect_status().to_dict())
+
+
+def test_users_are_bounded():
+    procs = [{"pid": k, "user": f"user{k:03d}", "memory": (k + 1) * 2**20, "command": "x"}
+             for k in range(120)]
+    doc = {"gpus": [{"index": 0, "uuid": "GPU-1", "name": "x", "processes": procs, "leases": []}]}
+    rows = user_totals(doc, limit=50)
+    assert len(rows) == 50 and rows[-1].user == OTHER
+    assert rows[0].user == "user119"  # the busiest first
+    assert sum(r.processes for r in rows) == 120
+    assert sum(r.gpu_memory for r in rows) == sum(p["memory"] for p in procs)
+    metric = values(render_metrics(doc), "devicekit_user_processes")
+    assert len(metric) == 50
+
+
+def test_inert_text():
+    assert inert_text("a\x1b[31mb\x07\x9b\u202e") == "a\\x1b[31mb\\x07\\x9b\\u202e"
+    assert inert_html('"><script>') == "&quot;&gt;&lt;script&gt;"
+    assert inert_text("x" * 1000).endswith("\u2026") and len(inert_text("x" * 1000)) == 301
+    assert inert_text(None) == ""
+
+
+def test_page_without_gpus_and_with_unknowns():
+    doc = {"host": {"hostname": "<lab>"}, "gpus": [], "warnings": ["no NVIDIA driver"],
+           "devicekit_version": "0", "backend": "none", "taken_at": 0}
+    page = render_page(doc, interval=2)
+    assert "GPUs on &lt;lab&gt;" in page and "No GPUs on this machine." in page
+    assert "no NVIDIA driver" in page and 'data-interval-ms="2000"' in page
+    gpu = {"index": 0, "uuid": "GPU-1", "name": "x", "memory_total": 0, "memory_used": 0,
+           "utilization": None, "processes": [{"pid": 1, "user": None, "memory": None,
+                                               "command": None}], "leases": []}
+    page = render_fragment({**doc, "gpus": [gpu]})
+    assert "n/a" in page and "(unknown)" in page
+
+
+def test_label_values_round_trip_through_the_parser():
+    """User names with quotes, backslashes and newlines stay one label value, exactly."""
+    odd = 'a"b\\c\nd} x{y="1"'
+    doc = {"gpus": [{"index": 0, "uuid": "GPU-1", "name": 'GPU "x"', "memory_used": 5,
+                     "processes": [{"pid": 1, "user": odd, "memory": 7, "command": "x"}],
+                     "leases": []}], "host": {"hostname": "h"}}
+    text = render_metrics(doc)
+    assert values(text, "devicekit_user_gpu_memory_bytes") == {(("user", odd),): 7}
+    (labels,) = values(text, "devicekit_gpu_memory_used_bytes")
+    assert dict(labels)["name"] == 'GPU "x"'
