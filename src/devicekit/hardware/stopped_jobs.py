@@ -114,6 +114,7 @@ class StopMarker:
             return
         stopped = process_state(child) in _STOPPED
         if stopped and not self.marked:
+            self._remove_own_stale()  # an earlier run with this pid that was killed
             with contextlib.suppress(OSError):
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644)
                 with os.fdopen(fd, "w") as f:
@@ -121,6 +122,11 @@ class StopMarker:
                 self.marked = True
         elif not stopped and self.marked:
             self.clear()
+
+    def _remove_own_stale(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.path is not None and os.lstat(self.path).st_uid == os.geteuid():
+                os.unlink(self.path)
 
     def clear(self) -> None:
         if self.path is not None and self.marked:
