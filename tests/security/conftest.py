@@ -36,13 +36,6 @@ def src_env(**extra: str) -> dict[str, str]:
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
 
 
-def as_other_user() -> None:
-    """``preexec_fn``: the child becomes the unprivileged user ``nobody``."""
-    os.setgroups([])
-    os.setgid(OTHER_UID)
-    os.setuid(OTHER_UID)
-
-
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
     """A root-owned mode-1777 directory under /tmp, as an admin would make for leases."""
