@@ -25,8 +25,9 @@ GPU_KEYS = {"index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used"
             "utilization", "memory_bandwidth_utilization", "temperature", "power_draw",
             "power_limit", "compute_capability", "compute_mode", "mig_enabled", "mig_devices",
             "processes", "backend", "leases", "architecture", "sm_count",
-            "max_sm_clock", "memory_bandwidth", "capability"}
-LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share", "kind"}
+            "max_sm_clock", "memory_bandwidth", "capability", "blocked"}
+LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share", "kind",
+              "stopped_since"}
 
 
 @pytest.fixture

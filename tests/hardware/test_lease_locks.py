@@ -40,25 +40,6 @@ def shared_dir(monkeypatch):
     shutil.rmtree(directory, ignore_errors=True)
 
 
-@needs_root
-def test_another_user_holding_the_old_global_lock_does_not_stop_leasing(simulate, spawn, shared_dir):
-    """Before per-device locks, one user's flock on .lock made every select fail after 30 s."""
-    simulate([h100(), h100()])
-    proc = spawn(AS_NOBODY + """
-fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("holding", flush=True)
-time.sleep(60)
-""", shared_dir)
-    assert wait_line(proc) == "holding"
-    start = time.monotonic()
-    with select_gpus(2) as sel:
-        assert len(sel.gpus) == 2
-    with Lease.acquire([dk.gpus()[0].uuid]):
-        pass
-    assert time.monotonic() - start < 10  # two reservations, each waiting at most a moment
-
-
 HOLD_GPU_LOCK = AS_NOBODY + """
 path = os.path.join(sys.argv[1], sys.argv[2] + ".hold")
 fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
@@ -66,56 +47,6 @@ fcntl.flock(fd, fcntl.LOCK_EX)
 print("holding", flush=True)
 time.sleep(60)
 """
-
-
-@needs_root
-def test_another_user_holding_a_gpu_lock_makes_that_gpu_busy_and_is_named(simulate, spawn,
-                                                                         shared_dir):
-    simulate([h100(), h100()])
-    first, second = dk.gpus()
-    proc = spawn(HOLD_GPU_LOCK, shared_dir, first.uuid)
-    assert wait_line(proc) == "holding"
-    with select_gpus(1, order="index") as sel:
-        assert sel.gpus[0].uuid == second.uuid  # the other GPU is still leasable
-        (line,) = sel.rejected
-        assert line.startswith("GPU 0: held by nobody (pid ") and "through its lock file" in line
-    with pytest.raises(LeaseError, match=f"GPU {first.uuid} is already held by nobody"):
-        Lease.acquire([first.uuid])
-    (record,) = read_leases()
-    assert (record.gpu_uuid, record.user, record.pid, record.kind) == (
-        first.uuid, "nobody", proc.pid, "lock")
-    doc = collect_status().to_dict()  # status attributes it: user, pid, command
-    (shown,) = doc["gpus"][0]["leases"]
-    assert shown["user"] == "nobody" and shown["pid"] == proc.pid and shown["kind"] == "lock"
-    assert "python" in shown["command"]
-    proc.kill()
-    proc.wait(timeout=10)
-    with Lease.acquire([first.uuid]):  # free at once when its holder dies
-        pass
-
-
-@needs_root
-def test_another_user_cannot_delete_or_take_our_lock_files(simulate, spawn, shared_dir):
-    simulate([h100()])
-    (gpu,) = dk.gpus()
-    with Lease.acquire([gpu.uuid]):
-        proc = spawn(AS_NOBODY + """
-path = os.path.join(sys.argv[1], sys.argv[2] + ".hold")
-out = {}
-try:
-    os.unlink(path)
-    out["unlink"] = "deleted"
-except PermissionError:
-    out["unlink"] = "refused"
-fd = os.open(path, os.O_RDONLY)
-try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    out["lock"] = "taken"
-except BlockingIOError:
-    out["lock"] = "refused"
-print(json.dumps(out), flush=True)
-""", shared_dir, gpu.uuid)
-        assert json.loads(wait_line(proc)) == {"unlink": "refused", "lock": "refused"}
 
 
 @needs_root
@@ -217,13 +148,6 @@ time.sleep(60)
     (sel,) = got
     assert sel.gpus[0].uuid == second.uuid and wait_line(proc) == "leased"
     sel.release()
-
-
-def test_a_symlinked_old_lock_does_not_stop_leasing(simulate):
-    simulate([h100()])
-    os.symlink("/etc/hostname", lease_dir() / ".lock")
-    with select_gpus(1) as sel:
-        assert len(sel.gpus) == 1
 
 
 def test_a_multi_gpu_request_that_cannot_get_all_leaks_nothing(simulate):

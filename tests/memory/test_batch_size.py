@@ -112,7 +112,7 @@ def test_answer_is_cached_under_a_key(tmp_path: Path) -> None:
 def test_corrupt_cache_is_a_clear_error(tmp_path: Path) -> None:
     cache = tmp_path / "bs.json"
     cache.write_text("{not json")
-    with pytest.raises(dk.InvalidValueError, match="is not JSON"):
+    with pytest.raises(dk.InvalidValueError, match="is not valid JSON"):
         dk.find_batch_size(HiddenLimit(4), key="x", cache=cache)
 
 

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import click
 
 from devicekit.errors import DeviceKitError
+from devicekit.hardware.printable import printable
 
 __all__ = ["cli", "main", "COMMANDS"]
 
@@ -97,7 +98,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
                   *, _default: Any = warnings.showwarning) -> None:
     """devicekit's own warnings as one ``devicekit: warning: ...`` line; others as Python shows them."""
     if category.__module__.split(".")[0] == "devicekit":
-        click.echo(f"devicekit: warning: {message}", err=True)
+        click.echo(f"devicekit: warning: {printable(message)}", err=True)
     else:
         _default(message, category, filename, lineno, file, line)
 
@@ -128,7 +129,7 @@ def _main(argv: list[str] | None) -> None:
         click.echo(f"devicekit: {message}{hint}", err=True)
         sys.exit(1)
     except DeviceKitError as exc:
-        click.echo(f"devicekit: {exc.cli_message()}", err=True)
+        click.echo(f"devicekit: {printable(exc.cli_message())}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("devicekit: interrupted", err=True)

@@ -16,6 +16,7 @@ import os
 import click
 
 from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
+from devicekit.hardware.printable import printable
 from devicekit.hardware.selection import ORDERS, select_gpus
 from devicekit.units import format_size, parse_size
 
@@ -94,9 +95,9 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
     if quiet:
         return
     chosen = ", ".join(f"{g.label} ({format_size(g.memory_free)} free)" for g in selection.gpus)
-    click.echo(f"devicekit: chose {chosen}", err=True)
-    for line in selection.rejected:
-        click.echo(f"devicekit:   {line}", err=True)
+    click.echo(f"devicekit: chose {printable(chosen)}", err=True)
+    for line in selection.rejected:  # may quote other users' commands: made inert
+        click.echo(f"devicekit:   {printable(line)}", err=True)
     if fmt == "index" and os.environ.get("CUDA_DEVICE_ORDER", "").upper() != "PCI_BUS_ID":
         click.echo("devicekit: these are PCI bus order indices: run the job with "
                    "CUDA_DEVICE_ORDER=PCI_BUS_ID", err=True)

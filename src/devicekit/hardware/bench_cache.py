@@ -44,9 +44,11 @@ def _file(key: str) -> Path:
 
 def read_result(key: str) -> dict[str, Any] | None:
     """The cached result for a GPU UUID (or ``"cpu"``); None when absent or unreadable."""
-    try:
-        data = json.loads(_file(key).read_text())
-    except (OSError, ValueError):
+    from devicekit.hardware.bounded_read import BadFile, read_json
+
+    try:  # bounded, never blocking: the cache directory may be shared
+        data = read_json(_file(key), 1024 * 1024)
+    except BadFile:
         return None
     return data if isinstance(data, dict) else None
 

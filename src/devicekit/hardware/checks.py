@@ -159,12 +159,12 @@ def check_lease_dir() -> Check:
         return Check("lease_dir", "fail", str(exc))
     info = os.stat(path)
     mode = oct(info.st_mode & 0o7777)[2:]
-    if info.st_uid not in (0, os.geteuid()):
-        from devicekit.hardware.lease_directory import user_name
+    from devicekit.hardware.lock_squatting import squatted_files
 
-        return Check("lease_dir", "warn", f"{path} (mode {mode}) is owned by "
-                     f"{user_name(info.st_uid)}, who could remove other users' leases; ask an "
-                     f"admin to run 'sudo install -d -m 1777 {path}' once")
+    squatted = squatted_files(path)
+    if squatted:  # devicekit run refuses these GPUs: someone pre-created their lock files
+        return Check("lease_dir", "warn", f"{len(squatted)} unusable lock file(s), their GPUs "
+                     f"blocked: {'; '.join(squatted[:4])}; ask the owner or an admin to remove them")
     return Check("lease_dir", "pass", f"{path} (mode {mode}), {len(live)} live lease(s)")
 
 

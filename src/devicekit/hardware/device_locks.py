@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devicekit.hardware.lease_directory import OPEN_FLAGS, user_name
+from devicekit.hardware.live_holder import live_holder, pid_alive
 
 __all__ = ["HOLD", "BUDGET", "LockHolder", "lock_path", "lock_device", "holders",
            "legacy_handshake", "LEGACY_PATIENCE"]
@@ -200,9 +201,16 @@ def holders(directory: Path) -> list[LockHolder]:
         except OSError:
             continue
         for pid, exclusive in locked.get((info.st_dev, info.st_ino), []):
+            if not pid_alive(pid):  # the locker exited; a child that inherited the fd holds it
+                pid = live_holder(info) or pid
             user, command, since = _process(pid)
             out.append(LockHolder(name[: -len(kind)], kind, pid, exclusive, user, command, since))
     return out
+
+
+def process_facts(pid: int) -> tuple[str, str, float]:
+    """(user, command line, start time) of ``pid``; placeholders when it cannot be seen."""
+    return _process(pid)
 
 
 def _process(pid: int) -> tuple[str, str, float]:

@@ -3,15 +3,16 @@
 ``DEVICEKIT_LEASE_DIR`` (default ``/tmp/devicekit-leases``) is created sticky and world-writable
 (mode 1777, like ``/tmp``) so every user of the machine can lease but nobody can delete another
 user's lease files. A symlinked directory, a non-directory, one writable by others without the
-sticky bit, or one owned by another user and not shared (mode 1777) is refused with
-:class:`~devicekit.errors.LeaseError` naming it and the fix. The lock file ``.lock`` is what
+sticky bit, or one owned by another user who is not root (even shared, mode 1777: its owner
+could delete everyone's lease files and take their GPUs) is refused with
+:class:`~devicekit.errors.LeaseError` naming it, its owner and the fix. The lock file ``.lock`` is what
 devicekit before per-device locks serialised choose-and-reserve with; reservations now lock one
 device at a time (:mod:`~devicekit.hardware.device_locks`) and hold ``.lock`` only shared, for a
 moment, to keep such old versions out; :func:`directory_lock` still takes it exclusively.
 
-The first user to lease creates the default directory and so owns it; others still use it (it is
-mode 1777), and ``devicekit doctor`` warns that its owner could remove their lease files until an
-admin creates the directory as root (``sudo install -d -m 1777 /tmp/devicekit-leases``).
+The first user to lease creates the default directory and so owns it; every other user is then
+refused (and ``devicekit doctor`` fails the check) until an admin creates the directory as root
+(``sudo install -d -m 1777 /tmp/devicekit-leases``) or they set ``DEVICEKIT_LEASE_DIR``.
 
 Usage::
 
@@ -57,7 +58,7 @@ def lease_dir() -> Path:
     """The lease directory, created (mode 1777) if missing and checked for safety.
 
     Raises :class:`~devicekit.errors.LeaseError` when it is a symlink, not a directory, owned by
-    another user without being shared (mode 1777), or writable by others without the sticky bit.
+    another user who is not root, or writable by others without the sticky bit.
     """
     raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
     path = Path(raw).expanduser()
@@ -90,12 +91,13 @@ def check_directory(path: Path) -> None:
         raise LeaseError(f"lease directory {str(path)!r} is a symlink, which devicekit never follows; {fix}")
     if not stat.S_ISDIR(info.st_mode):
         raise LeaseError(f"lease directory {str(path)!r} is not a directory; {fix}")
-    me = os.geteuid()
-    shared = stat.S_IMODE(info.st_mode) & 0o1777 == 0o1777
-    if info.st_uid not in (0, me) and not shared:
+    if info.st_uid not in (0, os.geteuid()):
+        # even mode 1777: its owner may delete anyone's lease files and take their GPUs
         raise LeaseError(
-            f"lease directory {str(path)!r} is owned by {user_name(info.st_uid)} and not shared "
-            f"(mode 1777); {fix}"
+            f"lease directory {str(path)!r} is owned by {user_name(info.st_uid)}, who could delete "
+            f"your lease files and take your GPUs while your job runs; ask an admin to create it "
+            f"as root ('sudo install -d -m 1777 {path}'), or set {LEASE_DIR_ENV} to a directory "
+            "of your own"
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
         raise LeaseError(

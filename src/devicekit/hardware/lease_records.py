@@ -197,9 +197,27 @@ def file_records(path: Path, *, cleanup: bool = False) -> list[LeaseRecord]:
             continue
         record = _read_record(file, info)
         if record is not None:
-            records.append(record)
+            records.append(_live(record, info))
     records.sort(key=lambda r: (r.since, r.gpu_uuid))
     return records
+
+
+def _live(record: LeaseRecord, info: os.stat_result) -> LeaseRecord:
+    """``record`` naming a live holder: when its pid died but a process that inherited the
+    locked lease file (a job's leftover) still holds it, that process is the holder."""
+    from devicekit.hardware.live_holder import live_holder, pid_alive
+
+    if record.host != os.uname().nodename or pid_alive(record.pid):
+        return record
+    pid = live_holder(info)
+    if pid is None:
+        return record
+    from dataclasses import replace
+
+    from devicekit.hardware.device_locks import process_facts
+
+    _, command, _ = process_facts(pid)
+    return replace(record, pid=pid, command=command)
 
 
 def lock_records(path: Path, covered: set[str]) -> list[LeaseRecord]:

@@ -263,6 +263,7 @@ def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = 
         held = read_leases()
         candidates = _queue_marks(assess(devices, held, request, visible, note, _holder_pids(held)),
                                   blocked(lease_dir(), devices, held, ticket, request.count))
+        candidates = _mark_blocked(candidates)  # never offer what run would refuse
         chosen = _choose(candidates, request)
         return (Selection([c.gpu for c in chosen], _rejected(candidates, chosen, request))
                 if chosen else None), candidates, _no_gpu_reason(gpus)
@@ -287,6 +288,16 @@ def _attempt(request: _Request, lease: bool, command: str | None, ticket: Any = 
 
         time.sleep(random.uniform(0.005, 0.03) * (attempt + 1))
     return None, candidates, ""
+
+
+def _mark_blocked(candidates: list[Candidate]) -> list[Candidate]:
+    """Candidates whose lock file another user made unusable, marked ineligible (squatting)."""
+    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.hardware.lock_squatting import blocked_devices
+
+    blocked = blocked_devices(lease_dir(), [c.gpu.uuid for c in candidates if c.eligible])
+    return [Candidate(c.gpu, c.available, (blocked[c.gpu.uuid],)) if c.gpu.uuid in blocked else c
+            for c in candidates]
 
 
 def _queue_marks(candidates: list[Candidate], queue: dict[str, str]) -> list[Candidate]:

@@ -27,15 +27,16 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import math
 import uuid as uuid_module
 from pathlib import Path
 from typing import Any
 
 from devicekit.errors import InvalidSizeError, SimulationFileError
+from devicekit.hardware.bounded_read import BadFile, read_json
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
 from devicekit.hardware.known_gpus import lookup
+from devicekit.hardware.printable import printable
 from devicekit.units import parse_size
 
 __all__ = ["SimulatedBackend", "load_simulation"]
@@ -45,6 +46,10 @@ _GPU_KEYS = {
     "temperature", "power_draw", "power_limit", "compute_capability", "compute_mode", "mig",
     "memory_bandwidth_utilization", "architecture", "sm_count", "max_sm_clock", "memory_bandwidth",
 }
+#: the largest simulation file read (a real one is a few KiB)
+MAX_SIMULATION_BYTES = 4 * 1024 * 1024
+#: the largest memory size a simulated GPU may have (1 PiB)
+MAX_SIMULATED_SIZE = 1 << 50
 _PROC_KEYS = {"pid", "user", "memory", "command"}
 _MIG_KEYS = {"name", "memory_total", "memory_used", "uuid"}
 _NAMESPACE = uuid_module.UUID("6d3c1f0e-8b1a-4d59-9f6e-2b7c0a5e4d21")
@@ -68,24 +73,11 @@ class SimulatedBackend:
 def load_simulation(path: str | Path) -> list[GPU]:
     """Parse the simulation file into GPU snapshots; raise :class:`SimulationFileError` if bad."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SimulationFileError(
-            f"simulation file {str(path)!r} cannot be read ({exc.strerror}); "
-            "check DEVICEKIT_SIMULATE / --simulate"
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise SimulationFileError(
-            f"simulation file {str(path)!r} is not valid JSON (not UTF-8 text: {exc.reason} "
-            f"at byte {exc.start})"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SimulationFileError(
-            f"simulation file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})"
-        ) from None
+    try:  # bounded, never blocking, and a file rewritten in place is re-read, not fatal
+        data = read_json(path, MAX_SIMULATION_BYTES, settle=True)
+    except BadFile as exc:
+        hint = "; check DEVICEKIT_SIMULATE / --simulate" if "cannot be read" in exc.problem else ""
+        raise SimulationFileError(f"simulation file {printable(exc)}{hint}") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise SimulationFileError(
             f"simulation file {str(path)!r} must be an object with a 'gpus' list"
@@ -112,9 +104,13 @@ def _fail(path: Path, where: str, message: str) -> SimulationFileError:
 
 def _size(path: Path, where: str, value: Any) -> int:
     try:
-        return parse_size(value, name=where, bare=False)
+        size = parse_size(value, name=where, bare=False)
     except InvalidSizeError as exc:  # "gpus[0].memory_total 80 has no unit": name the key once
         raise _fail(path, where, str(exc).removeprefix(f"{where} ")) from None
+    if size > MAX_SIMULATED_SIZE:
+        raise _fail(path, where, f"{value!r} is more than {MAX_SIMULATED_SIZE >> 50} PiB, "
+                                 "which no GPU has")
+    return size
 
 
 def _number(path: Path, where: str, value: Any, *, low: float | None = None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,10 @@ class StatusReport:
     #: problems that did not stop the report (e.g. an unreadable lease directory)
     warnings: tuple[str, ...] = ()
     taken_at: float = field(default_factory=time.time)
+    #: devices whose lock file another user made unusable: uuid -> why (``run`` refuses them)
+    blocked: Mapping[str, str] = field(default_factory=dict)
+    #: lease holders (pids) whose job is stopped (Ctrl-Z, SIGSTOP) -> since when
+    stopped: Mapping[int, float] = field(default_factory=dict)
     #: the fair queue's waiting tickets (``devicekit queue --json``'s entries), in queue order
     queue: tuple[dict[str, Any], ...] = ()
 
@@ -69,7 +73,8 @@ class StatusReport:
                 mig_entry["memory_free"] = mig.memory_free
                 mig_entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])
                                        if r.gpu_uuid == mig.uuid]
-            entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])]
+            entry["leases"] = [_lease_dict(r, self.stopped) for r in by_gpu.get(gpu.uuid, [])]
+            entry["blocked"] = self.blocked.get(gpu.uuid)
             gpus.append(entry)
         return {
             "schema": SCHEMA_VERSION,
@@ -86,8 +91,10 @@ class StatusReport:
         }
 
 
-def _lease_dict(record: LeaseRecord) -> dict[str, Any]:
-    return asdict(record)
+def _lease_dict(record: LeaseRecord, stopped: Mapping[int, float] | None = None) -> dict[str, Any]:
+    entry = asdict(record)
+    entry["stopped_since"] = (stopped or {}).get(record.pid)  # None: running
+    return entry
 
 
 def leases_by_gpu(gpus: Iterable[GPU], leases: Sequence[LeaseRecord]
@@ -152,6 +159,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
             leases = tuple(read_leases())
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
+    blocked, stopped = _lease_trouble(gpus, leases, warnings) if include_leases else ({}, {})
     queue: tuple[dict[str, Any], ...] = ()
     if include_leases and not any(w.startswith("leases not shown") for w in warnings) \
             and _lease_dir_exists():
@@ -169,5 +177,51 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         gpus=gpus,
         leases=leases,
         warnings=tuple(warnings),
+        blocked=blocked,
+        stopped=stopped,
         queue=queue,
     )
+
+
+def _lease_trouble(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], warnings: list[str]
+                   ) -> tuple[dict[str, str], dict[int, float]]:
+    """Squatted lock files and stopped lease holders, each also as a warning line."""
+    if not _lease_dir_exists():
+        return {}, {}
+    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.hardware.lock_squatting import blocked_devices
+    from devicekit.hardware.printable import printable
+    from devicekit.hardware.stopped_jobs import stopped_since
+
+    try:
+        directory = lease_dir()
+    except LeaseError:
+        return {}, {}
+    devices = [(g.index, g.uuid) for g in gpus] + [(f"{g.index}/{m.index}", m.uuid)
+                                                  for g in gpus for m in g.mig_devices]
+    blocked = blocked_devices(directory, [uuid for _, uuid in devices])
+    for label, uuid in devices:
+        if uuid in blocked:
+            warnings.append(f"GPU {label} is {blocked[uuid]}")
+    stopped: dict[int, float] = {}
+    here = os.uname().nodename
+    for record in leases:
+        if record.host != here or record.pid in stopped:
+            continue
+        since = stopped_since(directory, record.pid, _uid_of(record.user))
+        if since is not None:
+            stopped[record.pid] = since
+            warnings.append(f"the job of {printable(record.user)} (pid {record.pid}, "
+                            f"{printable(record.command)[:60]}) is stopped since "
+                            f"{time.strftime('%H:%M:%S', time.localtime(since))} and holds its "
+                            "GPU(s): resume it (fg, kill -CONT) or end it")
+    return blocked, stopped
+
+
+def _uid_of(user: str) -> int | None:
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return int(user) if user.isdigit() else None

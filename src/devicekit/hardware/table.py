@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import IO, TYPE_CHECKING, Any
 
+from devicekit.hardware.printable import printable
 from devicekit.units import format_size
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def _power_cell(gpu: GPU) -> str:
 def _users(gpu: GPU) -> str:
     if not gpu.processes:
         return "-"
-    users = sorted({p.user or "?" for p in gpu.processes})
+    users = sorted({printable(p.user or "?") for p in gpu.processes})
     return f"{len(gpu.processes)}: " + ",".join(users)
 
 
@@ -131,8 +132,8 @@ def _lease_cell(leases: list[LeaseRecord]) -> str:
     if len(leases) == 1:
         r = leases[0]
         mem = f" {format_size(r.memory)}" if r.memory is not None else ""
-        return f"{r.user} ({r.pid}){mem}" + (" shared" if r.share else "")
-    users = sorted({r.user for r in leases})
+        return f"{printable(r.user)} ({r.pid}){mem}" + (" shared" if r.share else "")
+    users = sorted({printable(r.user) for r in leases})
     total = sum(r.memory or 0 for r in leases)
     mem = f" {format_size(total)}" if total else ""
     return f"{len(leases)} shared: {','.join(users)}{mem}"
@@ -154,7 +155,7 @@ def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
     rows = []
     for gpu, cap in zip(report.gpus, scores, strict=True):
         memory, memory_style = _memory_cell(gpu)
-        name = gpu.name + (f" [MIG x{len(gpu.mig_devices)}]" if gpu.mig_enabled else "")
+        name = printable(gpu.name) + (f" [MIG x{len(gpu.mig_devices)}]" if gpu.mig_enabled else "")
         rows.append([
             (str(gpu.index), ""),
             (name, ""),
@@ -166,6 +167,7 @@ def _gpu_rows(report: StatusReport) -> list[list[tuple[str, str]]]:
             (_power_cell(gpu), ""),
             _speed_cell(cap),
             (_users(gpu), ""),
+            ("blocked", "bold red") if gpu.uuid in report.blocked else
             (_lease_cell([r for r in grouped.get(gpu.uuid, []) if r.gpu_uuid == gpu.uuid]), ""),
         ])
         rows.extend(_mig_rows(gpu, grouped.get(gpu.uuid, [])))
@@ -180,7 +182,7 @@ def _mig_rows(gpu: GPU, leases: list[LeaseRecord]) -> list[list[tuple[str, str]]
     for mig in gpu.mig_devices:
         memory, memory_style = _memory_cell(instance_device(gpu, mig))
         rows.append([
-            (f"{gpu.index}/{mig.index}", "dim"), (f"└ MIG {mig.name}", ""), ("", ""), ("", ""),
+            (f"{gpu.index}/{mig.index}", "dim"), (f"└ MIG {printable(mig.name)}", ""), ("", ""), ("", ""),
             (memory, memory_style), ("", ""), ("", ""), ("", ""), ("", ""),
             (_lease_cell([r for r in leases if r.gpu_uuid == mig.uuid]), ""),
         ])
@@ -244,11 +246,13 @@ def _gpu_table(report: StatusReport) -> Any:
 def _short(command: str | None) -> str:
     if not command:
         return "?"
+    command = printable(command)  # another user's text: escapes shown, never obeyed
     return command if len(command) <= _COMMAND_WIDTH else command[: _COMMAND_WIDTH - 1] + "…"
 
 
 def _process_table(report: StatusReport) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="Processes", title_justify="left", box=None, pad_edge=False,
                   header_style="bold")
@@ -259,9 +263,9 @@ def _process_table(report: StatusReport) -> Any:
     table.add_column("Command", overflow="ellipsis")
     for gpu in report.gpus:
         for proc in gpu.processes:
-            table.add_row(str(gpu.index), str(proc.pid), proc.user or "?",
+            table.add_row(str(gpu.index), str(proc.pid), Text(printable(proc.user or "?")),
                           format_size(proc.memory) if proc.memory is not None else "n/a",
-                          _short(proc.command))
+                          Text(_short(proc.command)))
     return table
 
 
@@ -276,6 +280,7 @@ def _age(seconds: float) -> str:
 
 def _lease_table(report: StatusReport, now: float) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     from devicekit.hardware.status import leases_by_gpu
 
@@ -297,10 +302,13 @@ def _lease_table(report: StatusReport, now: float) -> Any:
     table.add_column("Memory", justify="right")
     table.add_column("Command", overflow="ellipsis")
     for gpu_label, r in labelled:
-        table.add_row(gpu_label, r.user, r.host, str(r.pid), _age(now - r.since),
+        stopped = report.stopped.get(r.pid)
+        table.add_row(Text(printable(gpu_label)), Text(printable(r.user)), Text(printable(r.host)),
+                      str(r.pid) + (" stopped" if stopped is not None else ""), _age(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
-                      _short(r.command) if r.kind == "lease" else f"(lock only) {_short(r.command)}")
+                      Text(_short(r.command) if r.kind == "lease"
+                           else f"(lock only) {_short(r.command)}"))
     return table
 
 

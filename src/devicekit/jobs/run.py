@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 
 from devicekit.errors import LaunchError
 from devicekit.hardware.checks import take_inventory
+from devicekit.hardware.printable import printable
 from devicekit.jobs.allocation import Allocation, allocate
+from devicekit.jobs.preflight import check_command, check_request
 from devicekit.jobs.request import TORCHRUN_ENTRY, RunPlan, RunRequest
 from devicekit.jobs.run_world import World, asked_procs, resolve_world
 from devicekit.jobs.supervise import execute
@@ -51,6 +53,7 @@ _STALE = (LAUNCH_MARKER, OWN_DEVICES_ENV, LOOPBACK_OK_ENV, PUBLISHED_MARKER,
 def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> RunPlan:
     """Check the flags, lease the GPUs and build the command line (nothing is started yet)."""
     environ = dict(os.environ if environ is None else environ)
+    check_request(request, environ)  # a flag without its value: one line, nothing leased
     world = resolve_world(request, environ)  # before any lease: a typo must not wait for it
     gpus, procs = _counts(request, world)
     limit = declared_limit(request.time_limit)
@@ -175,10 +178,12 @@ def _torchrun_note(world: World, nprocs: int) -> str:
 def run(request: RunRequest, echo: Callable[[str], None] | None = None) -> int:
     """Plan, say what was chosen (``echo``, stderr by default), run, release; the exit code."""
     echo = echo or (lambda line: print(f"devicekit run: {line}", file=sys.stderr, flush=True))
+    if request.command:
+        check_command(request.command)  # before leasing: exit 127, not torchrun's traceback
     plan = plan_run(request)
     try:
         for line in plan.notes:
-            echo(line)
+            echo(printable(line))  # notes quote other users' commands
         code = execute(plan)
         if plan.time_limit is not None and plan.time_limit.reached:
             echo(plan.time_limit.message())

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
+from devicekit.hardware.stopped_jobs import StopMarker
+from devicekit.jobs.process_tree import ProcessTree
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
@@ -38,11 +40,20 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def execute(plan: RunPlan) -> int:
-    """Start the plan's command, forward signals to its process group, wait; its exit code."""
+    """Start the plan's command, forward signals to its process group, wait; its exit code.
+
+    Every process the command leaves behind, daemons included, is stopped before this returns
+    (:mod:`devicekit.jobs.process_tree`), so the leases end with the last of them.
+    """
+    with ProcessTree() as tree:
+        return _execute(plan, tree.env())
+
+
+def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
     try:
         child = subprocess.Popen(
             plan.argv,
-            env=plan.env,
+            env={**plan.env, **marker},
             pass_fds=plan.allocation.lease_fds,
             preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
         )
@@ -64,6 +75,7 @@ def execute(plan: RunPlan) -> int:
     # torchrun starts each rank in a session of its own: the ranks are not in the child's
     # process group, so remember the child's descendants to stop any it leaves behind
     family = _Descendants(child.pid)
+    marker = _stop_marker(plan)
     ticks = 0
     limit = plan.time_limit
     if limit is not None:
@@ -75,6 +87,7 @@ def execute(plan: RunPlan) -> int:
                 break
             except subprocess.TimeoutExpired:
                 ticks += 1
+                marker.update(child.pid)  # Ctrl-Z: status tells since when the job is stopped
                 if ticks % 5 == 1:
                     family.update()
                 if limit is not None:  # run --time: SIGTERM at the limit, SIGKILL after grace
@@ -83,6 +96,7 @@ def execute(plan: RunPlan) -> int:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
+    marker.clear()
     _reap_group(child.pid)
     family.stop_survivors()
     if limit is not None and limit.reached:
@@ -95,6 +109,15 @@ def execute(plan: RunPlan) -> int:
         return 128 + signals[0]
     return code
 
+
+
+def _stop_marker(plan: RunPlan) -> StopMarker:
+    """The stopped-job marker in the lease directory, for a run that holds leases."""
+    if not plan.allocation.lease_fds:
+        return StopMarker(None)
+    from devicekit.hardware.lease_directory import lease_dir
+
+    return StopMarker(lease_dir())
 
 
 def _child_setup() -> None:

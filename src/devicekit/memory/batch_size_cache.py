@@ -28,12 +28,14 @@ def default_cache_file() -> Path:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InvalidValueError(f"batch-size cache {str(path)!r} is not JSON; delete it or pass another cache=") from None
+    from devicekit.hardware.bounded_read import BadFile, read_json
+
+    try:  # bounded, never blocking: a FIFO or /dev/zero put there is refused, not read
+        data = read_json(path, 16 * 1024 * 1024)
+    except BadFile as exc:
+        if exc.missing:
+            return {}
+        raise InvalidValueError(f"batch-size cache {exc}; delete it or pass another cache=") from None
     if not isinstance(data, dict):
         raise InvalidValueError(f"batch-size cache {str(path)!r} is not a JSON object; delete it or pass another cache=")
     return data

@@ -39,6 +39,7 @@ import torch
 
 from devicekit.errors import CheckpointError, InvalidDeviceError, UnsafeCheckpointError
 from devicekit.placement.devices import as_device
+from devicekit.placement.save_faults import disk_full, lock_while_writing, remove_stale_temporaries
 
 __all__ = ["save_checkpoint", "load_checkpoint", "default_map_location"]
 
@@ -86,6 +87,7 @@ def _write_atomically(obj: Any, path: Path) -> None:
     if path.is_dir():
         raise CheckpointError(f"checkpoint path {str(path)!r} is a directory; pass a file path such as {str(path / 'last.pt')!r}")
     mode = _file_mode(path)
+    remove_stale_temporaries(path)  # left by a save that was killed: ours, and unlocked
     try:
         fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
@@ -93,6 +95,7 @@ def _write_atomically(obj: Any, path: Path) -> None:
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as handle:
+            lock_while_writing(handle.fileno())  # tells a later save this file is not debris
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -100,6 +103,10 @@ def _write_atomically(obj: Any, path: Path) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
+        full = disk_full(err, obj, directory)
+        if full is not None:
+            raise CheckpointError(f"{full}; the previous checkpoint {str(path)!r} is intact"
+                                  if path.exists() else full) from None
         if isinstance(err, (pickle.PicklingError, TypeError, AttributeError)):
             raise CheckpointError(f"cannot save checkpoint {str(path)!r}: an object in it cannot be pickled ({err})") from err
         if isinstance(err, OSError):
@@ -203,6 +210,8 @@ def load_checkpoint(
         return load_sharded(source, into)
     if source.is_dir():
         raise CheckpointError(f"checkpoint {str(source)!r} is a directory, not a file")
+    if not source.is_file():  # a FIFO would block the read forever, a device never end
+        raise CheckpointError(f"checkpoint {str(source)!r} is not a regular file; refused")
     location = _check_map_location(map_location)
     try:
         return torch.load(source, map_location=location, weights_only=weights_only)
@@ -224,7 +233,9 @@ def load_checkpoint(
         raise CheckpointError(
             f"cannot read checkpoint {str(source)!r}: {err.strerror or _first_line(err)}"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, IndexError, KeyError,
+            TypeError, AttributeError, UnicodeDecodeError, MemoryError, OverflowError) as err:
+        # a text file such as /etc/passwd reaches torch's legacy loader: any of these
         text = _first_line(err)
         if "cuda" in text.lower() and "deserialize" in text.lower():
             raise CheckpointError(

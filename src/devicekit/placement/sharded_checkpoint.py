@@ -24,7 +24,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from devicekit.errors import CheckpointError
@@ -105,27 +104,59 @@ def save_sharded(obj: Any, path: Path) -> Path:
 
 
 def load_sharded(path: Path, into: Any = None) -> Any:
-    """Load the DCP directory ``path`` in place into ``into`` (a module or dict), or whole."""
+    """Load the DCP directory ``path`` in place into ``into`` (a module or dict), or whole.
+
+    The metadata is read through an allow-list and non-tensor items with ``weights_only``
+    (:mod:`devicekit.placement.safe_dcp`): a malicious directory is refused, never run.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    if into is None:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from devicekit.placement.safe_dcp import (
+        SafeEmptyLoadPlanner,
+        SafeLoadPlanner,
+        SafeReader,
+        read_metadata,
+    )
 
-        with tempfile.TemporaryDirectory() as tmp:
-            whole = Path(tmp) / "whole.pt"
-            dcp_to_torch_save(str(path), str(whole))
-            return torch.load(whole, map_location="cpu", weights_only=True)
-    state = _state(into)
+    read_metadata(path / ".metadata")  # refused here, before DCP (which logs and retries)
+    state: Any = {} if into is None else _state(into)
+    planner = SafeEmptyLoadPlanner() if into is None else SafeLoadPlanner()
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:
+            if into is None:  # as torch's dcp_to_torch_save does, with the safe reader
+                from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+                _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=planner,
+                                 no_dist=True)
+            else:
+                dcp.load(state, storage_reader=SafeReader(str(path)), planner=planner)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
+        inner = _devicekit_cause(exc)
+        if inner is not None:  # DCP wraps errors raised on a rank in CheckpointException
+            raise inner from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"cannot load sharded checkpoint {str(path)!r} into "
-                              f"{type(into).__name__}: {first}") from exc
+        target = "" if into is None else f" into {type(into).__name__}"
+        raise CheckpointError(f"cannot load sharded checkpoint {str(path)!r}{target}: {first}") from exc
+    if into is None:
+        return state
     _apply(into, state)
     return into
+
+
+def _devicekit_cause(exc: BaseException) -> CheckpointError | None:
+    """The CheckpointError DCP caught on a rank and wrapped (its ``failures``), if any."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            found = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(found, CheckpointError):
+                return found
+    seen = exc.__cause__ or exc.__context__
+    return seen if isinstance(seen, CheckpointError) else None
 
 
 def _apply(target: Any, state: Any) -> None:
