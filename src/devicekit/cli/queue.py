@@ -1,7 +1,7 @@
 """``devicekit queue``: the fair GPU queue: waiting tickets with their reasons, running limits.
 
 Formatting only; the queue is :mod:`devicekit.hardware.queue_state`. Text from ticket files
-(commands, filters) is other users' and printed inert (control characters shown as ``?``).
+(commands, filters) is other users' and printed inert (control characters shown as visible escapes, as in ``status``).
 
 Usage::
 
@@ -80,7 +80,9 @@ def cancel(ticket: str) -> None:
 
 
 def _inert(text: object, width: int | None = None) -> str:
-    out = "".join(c if c.isprintable() else "?" for c in str(text))
+    from devicekit.hardware.printable import printable
+
+    out = printable(text)  # escapes shown as status and select show them
     if width is not None and len(out) > width:
         out = out[: width - 3] + "..."
     return out
