@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "BatchSizeError": "devicekit.errors:BatchSizeError",
     "GradientMismatchError": "devicekit.errors:GradientMismatchError",
     "MissingDependencyError": "devicekit.errors:MissingDependencyError",
+    "LeakWarning": "devicekit.errors:LeakWarning",
     # units
     "parse_size": "devicekit.units:parse_size",
     "format_size": "devicekit.units:format_size",

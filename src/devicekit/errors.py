@@ -40,6 +40,7 @@ __all__ = [
     "CommandNotFoundError",
     "GradientMismatchError",
     "MissingDependencyError",
+    "LeakWarning",
 ]
 
 
@@ -182,3 +183,11 @@ class GradientMismatchError(DistributedError):
 
 class MissingDependencyError(DeviceKitError, ImportError):
     """An optional extra (e.g. matplotlib for plots) is needed and not installed."""
+
+
+class LeakWarning(UserWarning):
+    """A training loop keeps memory that grows every step (issued by the framework callbacks).
+
+    A warning, not an error: training goes on. The message names the holder, the line that grew
+    it and the fix; ``warnings.simplefilter("error", dk.LeakWarning)`` turns it into a stop.
+    """
