@@ -95,6 +95,15 @@ class LeakWatch:
         self.reports.append(report)
         return report
 
+    def abandon(self) -> None:
+        """Drop the open window without a verdict (training failed): tracing stops now."""
+        detector, self._detector = self._detector, None
+        if detector is not None:
+            detector.report()  # pauses line tracing
+            stop = getattr(detector, "stop", None)
+            if stop is not None:
+                stop()
+
     def warn(self, report: LeakReport, *, step: int) -> list[str]:
         """Issue one :class:`LeakWarning` per leak (and the same line in the log)."""
         messages = []

@@ -79,6 +79,7 @@ class TrainingMonitor:
 
     def begin(self, *, rank: int, device: torch.device | str | None) -> None:
         """Training starts on ``rank``, with the model on ``device``."""
+        self.leaks.abandon()  # a window left open by a failed run
         self.rank = rank
         self.memory = StepMemory(device, prefix=self.prefix)
         if self.memory.on_cuda and self.oom_dir is not None:
@@ -102,12 +103,20 @@ class TrainingMonitor:
 
     def on_error(self, exc: BaseException) -> Path | None:
         """An error ends training: for an OOM, write the bundle (the caller re-raises)."""
+        self.leaks.abandon()
+        try:
+            return self._bundle(exc)
+        finally:
+            self._stop_recording()  # after the snapshot: training is over
+
+    def _bundle(self, exc: BaseException) -> Path | None:
         if self.oom_dir is None or not is_oom(exc) or getattr(exc, "_devicekit_bundle", None):
             return None
         samples = list(self.memory.samples) if self.memory is not None else []
+        snapshot = self._recording
         try:
             folder = write_oom_bundle(exc, self.oom_dir, rank=self.rank, step=self.step + 1,
-                                      samples=samples, snapshot=self._recording)
+                                      samples=samples, snapshot=snapshot)
         except Exception as err:  # never replace the OOM with our own failure
             log.error("devicekit: could not write the out-of-memory bundle (%s: %s)", type(err).__name__, err)
             return None
@@ -125,7 +134,11 @@ class TrainingMonitor:
         report = self.leaks.finish()
         if report is not None:
             self.leaks.warn(report, step=self.step)
+        self._stop_recording()
+        return report
+
+    def _stop_recording(self) -> None:
+        """Stop the allocator history; what it recorded stays for the snapshot."""
         if self._recording:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._recording = False
-        return report

@@ -112,7 +112,7 @@ class DeviceKitCallback(TrainerCallback):
         original = getattr(owner, name)
         if getattr(original, _WRAPPED, False):
             return
-        monitor = self.monitor
+        monitor, callback = self.monitor, self
 
         @functools.wraps(original)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -120,6 +120,7 @@ class DeviceKitCallback(TrainerCallback):
                 return original(*args, **kwargs)
             except Exception as exc:
                 monitor.on_error(exc)
+                callback._unwrap()  # the error ends train(); a retry wraps again at its start
                 raise
 
         setattr(guarded, _WRAPPED, True)
