@@ -6,6 +6,7 @@ in one process, variants taking turns round after round (``timing.interleaved``)
 shows the median CPU milliseconds per step (process time, one torch thread: other jobs on a
 shared machine do not count) and the ratio to the bare Trainer measured in the same run:
 
+- the bare Trainer a second time: the spread of the measurement itself on a loaded machine
 - ``DeviceStatsMonitor(cpu_stats=True)``: Lightning's own per-step device statistics (psutil)
 - ``DeviceKitCallback(leak_check_steps=None)``: memory logged at the logging interval, OOM bundle armed
 - ``DeviceKitCallback`` during its leak-check steps, on a clean model, and on one that keeps its
@@ -36,7 +37,7 @@ from timing import interleaved  # noqa: E402
 
 STEPS = 40
 SKIP = 3  # first steps: warm-up (allocations, optimizer state)
-ROUNDS = 5
+ROUNDS = 7
 warnings.simplefilter("ignore")
 logging.disable(logging.WARNING)
 
@@ -95,6 +96,7 @@ def lightning_variants(out: Path) -> dict[str, object]:
 
     methods = {
         "bare Trainer": variant("bare Trainer", list),
+        "bare Trainer again (noise floor)": variant("bare Trainer again (noise floor)", list),
         "DeviceStatsMonitor": variant("DeviceStatsMonitor", lambda: [DeviceStatsMonitor(cpu_stats=True)]),
         "DeviceKitCallback, leak checks off": variant("DeviceKitCallback, leak checks off",
                                                       lambda: [DeviceKitCallback(leak_check_steps=None, oom_dir=out)]),
@@ -156,6 +158,7 @@ def transformers_variants(out: Path) -> dict[str, object]:
 
     methods = {
         "bare Trainer": variant("bare Trainer", list),
+        "bare Trainer again (noise floor)": variant("bare Trainer again (noise floor)", list),
         "DeviceKitCallback, leak checks off": variant("DeviceKitCallback, leak checks off",
                                                       lambda: [DeviceKitCallback(leak_check_steps=None, oom_dir=out)]),
         "DeviceKitCallback, leak-check steps": variant("DeviceKitCallback, leak-check steps",

@@ -45,7 +45,6 @@ def test_lightning_ddp_two_ranks_one_report(tmp_path: Path, no_leftover_children
     assert rank1["warnings"] == [] and rank1["reports"] == []
     assert rank0["batch_size"] == rank1["batch_size"] == 13  # the smaller rank's limit, on both
     assert rank0["loader_batch_size"] == rank1["loader_batch_size"] == 13
-    assert output.count("devicekit: leak found") == 1  # rank 0 only, in the log
 
 
 @pytest.mark.slow
@@ -58,4 +57,3 @@ def test_transformers_ddp_two_ranks_one_report(tmp_path: Path, no_leftover_child
     assert rank0["reports"] == [["self.losses"]]
     assert rank1["warnings"] == [] and rank1["reports"] == []
     assert rank0["batch_size"] == rank1["batch_size"] == 7
-    assert output.count("devicekit: leak found") == 1  # rank 0 only, in the log

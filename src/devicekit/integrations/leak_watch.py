@@ -105,11 +105,14 @@ class LeakWatch:
                 stop()
 
     def warn(self, report: LeakReport, *, step: int) -> list[str]:
-        """Issue one :class:`LeakWarning` per leak (and the same line in the log)."""
+        """Issue one :class:`LeakWarning` per leak (and the same line to the ``devicekit`` logger, at INFO)."""
         messages = []
         for leak in report.leaks:
             message = f"devicekit: leak found by step {step}: {leak}"
-            warnings.warn(message, LeakWarning, stacklevel=2)
-            log.warning("%s", message)
+            # shown at the user's line that grew the holder, not at devicekit's
+            # (module= is left out: an explicit None there makes no filter match, in C Python)
+            warnings.warn_explicit(message, LeakWarning, leak.filename or "<devicekit leak check>",
+                                   leak.lineno or 0)
+            log.info("%s", message)
             messages.append(message)
         return messages

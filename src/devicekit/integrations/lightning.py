@@ -103,7 +103,7 @@ class DeviceKitCallback(Callback):
         stepped = _batches_stepped(trainer, self._steps - 1)
         log = (stepped + 1) % self._interval == 0
         figures = self.monitor.after_step(self._steps, {"self": pl_module}, log=log)
-        if figures and trainer.global_rank == 0:
+        if figures and trainer.global_rank == 0 and trainer.loggers:
             pl_module.log_dict(figures, on_step=True, on_epoch=False, prog_bar=False, logger=True,
                                rank_zero_only=True)
 

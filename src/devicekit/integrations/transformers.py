@@ -100,7 +100,11 @@ class DeviceKitCallback(TrainerCallback):
         holders = {"self": self._trainer, "model": model}
         figures = self.monitor.after_step(step, holders, log=step % self._interval == 0)
         if figures and state.is_world_process_zero and self._trainer is not None:
+            # Trainer.log clears control.should_log, which would skip the Trainer's own logging
+            # step on this rank only, and with it a collective the other ranks then wait in
+            should_log = control.should_log
             self._trainer.log(figures)
+            control.should_log = should_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.monitor.end()
