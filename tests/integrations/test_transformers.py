@@ -152,22 +152,22 @@ def run_python(code: str) -> str:
 FRAMEWORKS = ("torch", "transformers", "lightning", "pytorch_lightning")
 
 
+@pytest.mark.slow
 def test_import_pulls_in_no_other_framework() -> None:
+    # one process, in this order: devicekit alone; the HF module; then Lightning's own import,
+    # and what devicekit's Lightning module adds to it (Lightning pulls in parts of transformers
+    # through torchmetrics when transformers is installed: that is Lightning's doing, not ours)
     code = ("import sys\n"
             "def tops(): return {m.split('.')[0] for m in sys.modules}\n"
             "import devicekit, devicekit.integrations\n"
             f"print(sorted(tops() & set({FRAMEWORKS!r})))\n"
             "import devicekit.integrations.transformers\n"
-            f"print(sorted(tops() & set({FRAMEWORKS!r})))\n")
-    plain, hf = run_python(code).splitlines()
-    assert plain == "[]" and hf == "['torch', 'transformers']"
-    # Lightning's own import pulls in parts of transformers through torchmetrics when it is
-    # installed; devicekit's module adds no framework module to what Lightning itself imports
-    code = ("import sys\n"
+            f"print(sorted(tops() & set({FRAMEWORKS!r})))\n"
             "import lightning.pytorch\n"
             "before = set(sys.modules)\n"
             "import devicekit.integrations.lightning\n"
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}))\n")
-    added = ast.literal_eval(run_python(code))
-    assert set(added) <= {"devicekit", "psutil", "rich", "click", "numpy", "pynvml", "markdown_it", "mdurl",
-                          "pygments"}, added
+    plain, hf, added = run_python(code).splitlines()
+    assert plain == "[]" and hf == "['torch', 'transformers']"
+    assert set(ast.literal_eval(added)) <= {"devicekit", "psutil", "rich", "click", "numpy", "pynvml",
+                                            "markdown_it", "mdurl", "pygments"}, added
