@@ -12,7 +12,8 @@ shared machine do not count) and the ratio to the bare Trainer measured in the s
 - ``DeviceKitCallback`` during its leak-check steps, on a clean model, and on one that keeps its
   loss tensors (the line tracer then runs on every step)
 
-Run: python benchmarks/bench_callbacks.py  (a few minutes on a 2-core CPU)
+Run: python benchmarks/bench_callbacks.py  (a few minutes on a 2-core CPU; ``--hooks-only``:
+just the callbacks' own cost per step, timed directly, in seconds)
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def transformers_variants(out: Path) -> dict[str, object]:
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
+        PrinterCallback,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -151,6 +153,7 @@ def transformers_variants(out: Path) -> dict[str, object]:
                                      disable_tqdm=True, dataloader_num_workers=0)
             stamps = Stamps()
             trainer = Keeping(model=model, args=args, train_dataset=dataset, callbacks=[*make(), stamps])
+            trainer.remove_callback(PrinterCallback)  # no log lines on stdout between the tables
             trainer.keep = keep
             trainer.train()
             results.setdefault(name, []).append(median_step_ms(stamps.times))
@@ -171,6 +174,26 @@ def transformers_variants(out: Path) -> dict[str, object]:
     return results
 
 
+def hook_costs() -> None:
+    """The callbacks' own cost, timed directly: per-step timings above are noisier than it."""
+    from devicekit.integrations.monitor import TrainingMonitor
+
+    monitor = TrainingMonitor(leak_check_steps=None, oom_dir=None)
+    monitor.begin(rank=0, device="cpu")
+    module = torch.nn.Linear(2, 2)
+    n = 20_000
+    began = time.process_time()
+    for step in range(1, n + 1):
+        monitor.after_step(step, {"self": module}, log=False)
+    idle = (time.process_time() - began) / n * 1e6
+    began = time.process_time()
+    for step in range(1, 2001):
+        monitor.after_step(step, {"self": module}, log=True)
+    logged = (time.process_time() - began) / 2000 * 1e6
+    print(f"\nper step, timed directly: {idle:.2f} us on a step that is not logged, {logged:.1f} us on a logged "
+          f"step (reading the figures; the framework's own log call comes on top)")
+
+
 def table(title: str, results: dict[str, list[float]]) -> None:
     base = statistics.median(results["bare Trainer"])
     print(f"\n{title}: median CPU ms per step over {ROUNDS} interleaved rounds of {STEPS} steps")
@@ -184,6 +207,9 @@ def table(title: str, results: dict[str, list[float]]) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    hook_costs()
+    if "--hooks-only" in sys.argv:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         table("Lightning", lightning_variants(Path(tmp) / "lightning"))
         table("Hugging Face Trainer", transformers_variants(Path(tmp) / "hf"))
