@@ -182,3 +182,34 @@ def test_batch_size_search_runs_when_fitting_starts(tmp_path: Path) -> None:
 def test_bad_options_are_one_line_errors(options: dict, named: str) -> None:
     with pytest.raises(dk.InvalidValueError, match=named):
         DeviceKitCallback(**options)
+
+
+def test_the_older_pytorch_lightning_package_drives_the_same_callback(tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+
+    class OldStyle(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(16, 1)
+            self.loss_history: list = []
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self.layer(batch[0]), batch[1])
+            self.loss_history.append(loss)  # OLD-LEAK-LINE
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = DataLoader(TensorDataset(torch.randn(160, 16), torch.randn(160, 1)), batch_size=16)
+    callback = DeviceKitCallback(leak_check_steps=6)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=pl.loggers.CSVLogger(tmp_path),
+                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(OldStyle(), data)
+    (leak,) = callback.leak_reports[0].leaks
+    assert leak.holder == "self.loss_history" and leak.lineno == line_of("OLD-LEAK-LINE")
+    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    assert sum(1 for row in rows if row.get("devicekit/rss_mib")) == 8
