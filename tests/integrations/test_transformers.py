@@ -141,6 +141,19 @@ def test_find_batch_size_is_exact_and_set_on_the_trainer(tmp_path: Path) -> None
     assert trainer.sizes == [11, 11]  # the Trainer's own batches are the size found
 
 
+def test_auto_find_batch_size_retries_each_leave_a_bundle(tmp_path: Path) -> None:
+    callback = DeviceKitCallback(leak_check_steps=None, oom_dir=tmp_path / "oom")
+    trainer = trainer_for(tmp_path, callback, steps=2, limit=11)
+    trainer.args.auto_find_batch_size = True
+    trainer.args.per_device_train_batch_size = 16
+    trainer._train_batch_size = 16
+    trainer.train()
+    assert trainer.sizes[-1] <= 11 and len(trainer.losses) == 2  # HF's own search found a size that fits
+    failed = len({size for size in trainer.sizes if size > 11})
+    assert [b.name for b in callback.bundles] == ["rank0"] + [f"rank0-{n}" for n in range(2, failed + 1)]
+    assert "training_step" not in vars(trainer)
+
+
 def run_python(code: str) -> str:
     import subprocess
     import sys
