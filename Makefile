@@ -13,9 +13,10 @@ $(BIN)/devicekit: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e .
 	@touch $@
 
-# the test tools (pytest, hypothesis, ruff) on top, for `make test` and `make lint`
+# the test tools (pytest, hypothesis, ruff) and the framework extras the integration tests use
+# (Lightning, transformers: pinned in constraints.txt) on top, for `make test` and `make lint`
 $(VENV)/.dev: $(BIN)/devicekit
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,lightning,transformers]'
 	@touch $@
 
 run: $(BIN)/devicekit

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "GradientMismatchError": "devicekit.errors:GradientMismatchError",
     "MissingDependencyError": "devicekit.errors:MissingDependencyError",
     "ServeError": "devicekit.errors:ServeError",
+    "LeakWarning": "devicekit.errors:LeakWarning",
     # units
     "parse_size": "devicekit.units:parse_size",
     "format_size": "devicekit.units:format_size",

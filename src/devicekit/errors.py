@@ -41,6 +41,7 @@ __all__ = [
     "GradientMismatchError",
     "MissingDependencyError",
     "ServeError",
+    "LeakWarning",
 ]
 
 
@@ -187,3 +188,11 @@ class MissingDependencyError(DeviceKitError, ImportError):
 
 class ServeError(DeviceKitError, RuntimeError):
     """``devicekit serve`` cannot listen where asked (port in use, unknown host, no permission)."""
+
+
+class LeakWarning(UserWarning):
+    """A training loop keeps memory that grows every step (issued by the framework callbacks).
+
+    A warning, not an error: training goes on. The message names the holder, the line that grew
+    it and the fix; ``warnings.simplefilter("error", dk.LeakWarning)`` turns it into a stop.
+    """
