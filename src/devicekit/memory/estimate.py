@@ -283,20 +283,35 @@ def _failed(model: nn.Module, shapes: Any, exc: BaseException) -> InvalidValueEr
 
 def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseException,
                   kwargs: dict[str, Any]) -> tuple[int, dict[str, int], str, str]:
-    """Peak and parts at ``batch`` from real CPU steps at batch 1 and 2 (a straight line)."""
+    """Peak and parts at ``batch`` from two real CPU steps at small batches.
+
+    Each phase's peak (forward, backward, optimizer step) is a straight line in the batch: the
+    optimizer step's hardly grows, the forward's and backward's grow with the activations, so
+    the phase that peaks at a small batch need not be the one that peaks at ``batch``.
+    """
+    b1 = max(1, min(batch // 8, 8))
+    b2 = 2 * b1
     try:
-        (b1, p1, parts1, phase), (b2, p2, parts2, _) = real_peaks(model, shapes, batches=(1, 2), **kwargs)
+        first, second = real_peaks(model, shapes, batches=(b1, b2), **kwargs)
     except InvalidValueError:
         raise
     except Exception as exc:
         raise _failed(model, shapes, cause) from exc
-    parts = {k: max(round(parts1.get(k, 0) + (batch - b1) * (parts2.get(k, 0) - parts1.get(k, 0))
-                          / (b2 - b1)), 0) for k in PARTS}
-    peak = max(round(p1 + (batch - b1) * (p2 - p1) / (b2 - b1)), 0)
+
+    def line(y1: float, y2: float) -> int:
+        return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
+
+    best: tuple[int, dict[str, int], str] = (-1, {}, "")
+    for phase, (p2, parts2) in second.items():
+        p1, parts1 = first.get(phase, (p2, parts2))
+        peak = line(p1, p2)
+        if peak > best[0]:
+            parts = {k: line(parts1.get(k, 0), parts2.get(k, 0)) for k in PARTS}
+            best = (peak, parts, phase)
+    peak, parts, phase = best
     parts["activations"] += peak - sum(parts.values())   # the line of the sum, not of the parts
     if parts["activations"] < 0:
         parts["temporaries"] += parts["activations"]
         parts["activations"] = 0
-    reason = type(cause).__name__
     return peak, parts, phase, (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch "
-                                f"{batch} (fake tensors cannot run it: {reason})")
+                                f"{batch} (fake tensors cannot run it: {type(cause).__name__})")

@@ -60,6 +60,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.live)
         self.peak_phase = ""
+        self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}   # phase -> (peak, parts then)
         self.phase = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -90,6 +91,7 @@ class LiveBytes(TorchDispatchMode):
     def restart_peak(self) -> None:
         """Forget the peak so far (after the first step: the steady state is what counts)."""
         self.peak, self.at_peak, self.peak_phase = 0, dict(self.live), ""
+        self.phase_peaks = {}
         self.note_peak()
 
     def note_peak(self) -> None:
@@ -98,6 +100,8 @@ class LiveBytes(TorchDispatchMode):
             self.peak = total
             self.at_peak = dict(self.live)
             self.peak_phase = self.phase
+        if total > self.phase_peaks.get(self.phase, (-1,))[0]:
+            self.phase_peaks[self.phase] = (total, dict(self.live))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = real_outputs(func, args, func(*args, **(kwargs or {})))

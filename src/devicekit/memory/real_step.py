@@ -15,7 +15,7 @@ Usage::
         ...                                    # the fake step
     except Exception as exc:
         if fake_tensors_cannot_run(exc):
-            (b1, p1, parts1, phase1), (b2, p2, *_) = real_peaks(model, sample, batches=(1, 2), ...)
+            low, high = real_peaks(model, sample, batches=(4, 8), ...)   # phase -> (peak, parts)
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _real_sample(sample: Any, batch: int) -> Any:
 def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optimizer: OptimizerSpec,
                precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                keep_output: bool, step: StepFn | None,
-               ) -> list[tuple[int, int, dict[str, int], str]]:
-    """(batch, peak, parts at the peak, phase) of the second of two real CPU steps, per batch."""
+               ) -> list[dict[str, tuple[int, dict[str, int]]]]:
+    """Per batch: phase -> (peak, parts at it) of the second of two real CPU steps."""
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         raise InvalidValueError(f"model {type(model).__name__} is on the meta device and its shapes "
                                 "depend on values, so neither fake nor real steps can size it; "
@@ -93,6 +93,6 @@ def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optim
         finally:
             for handle in hooks:
                 handle.remove()
-        results.append((batch, tracker.peak, dict(tracker.at_peak), tracker.peak_phase))
+        results.append(dict(tracker.phase_peaks))
         del real, opt, kept, data
     return results
