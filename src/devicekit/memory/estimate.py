@@ -17,7 +17,8 @@ loss = crit(out, y); loss.backward()`` with ``out`` alive until the next step re
 ``loss_fn`` (a function, or "cross-entropy", "mse", "sum"; default: cross-entropy over the last
 dimension, never cheaper than a language model's loss). The table says what was assumed.
 On CUDA the answer is a range (``low``, ``peak``, ``high``) of what nvidia-smi will show; a
-model whose shapes depend on values is sized by real CPU steps at batch 1 and 2, extrapolated.
+model whose shapes depend on values is sized by real CPU steps at a quarter and half the batch
+(at most 64 and 128), extrapolated.
 
 Usage::
 
@@ -289,7 +290,7 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
     optimizer step's hardly grows, the forward's and backward's grow with the activations, so
     the phase that peaks at a small batch need not be the one that peaks at ``batch``.
     """
-    b1 = max(1, min(batch // 8, 8))
+    b1 = max(1, min(batch // 4, 64))
     b2 = 2 * b1
     try:
         first, second = real_peaks(model, shapes, batches=(b1, b2), **kwargs)

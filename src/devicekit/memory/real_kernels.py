@@ -62,12 +62,15 @@ def cudnn_reserve_bytes(steps: int, batch: int, hidden: int, layers: int, direct
 
 
 def _mkldnn_rnn_layer(args: tuple[Any, ...], out: Any) -> Any:
-    x, w0 = args[0], args[1]
-    mode, hidden, batch_first, train = args[9], args[10], args[14], args[15]
+    x, w0, hx = args[0], args[1], args[5]
+    mode, hidden, train = args[9], args[10], args[15]
     workspace = out[3]
     if not train or mode != _MKLDNN_LSTM or workspace is None or workspace.numel() > 0:
         return out
-    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    # torch hands the layer a time-major input even when it passes batch_first=True: the
+    # batch is hx's first dimension
+    batch = int(hx.shape[0])
+    steps = x.shape[0] if x.shape[1] == batch else x.shape[1]
     size = mkldnn_lstm_workspace_bytes(int(steps), int(batch), int(w0.shape[1]), int(hidden))
     return (*out[:3], torch.empty(size, dtype=torch.uint8, device=workspace.device))
 

@@ -2,7 +2,7 @@
 
 A model whose shapes depend on values (``nonzero``, top-k routing in a mixture of experts,
 ``if x.sum() > 0``) cannot run on fake tensors: there are no values. Running beats faking
-then: :func:`real_peaks` runs two real training steps on the CPU at a small batch and at twice
+then: :func:`real_peaks` runs two real training steps on the CPU at a smaller batch and at twice
 that, counting live storage bytes with the same tracker the fake step uses, and the estimate
 extrapolates the peak linearly in the batch size (and says that it did). A model on the meta
 device has no values either: that stays a one-line refusal.
