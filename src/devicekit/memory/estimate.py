@@ -79,7 +79,8 @@ class MemoryEstimate:
     loss: str = "sum"
     loop: str = ""
     method: str = "fake tensors"
-    low: int = 0
+    low: int = 0                       # on CUDA: what nvidia-smi shows, at least / about / at most
+    expected: int = 0
     high: int = 0
     convolutions: bool = False
     _again: Callable[[int], MemoryEstimate] | None = field(default=None, repr=False, compare=False)
@@ -153,7 +154,7 @@ class MemoryEstimate:
                 "optimizer": self.optimizer, "precision": self.precision,
                 "parameters": self.parameters, "seconds": round(self.seconds, 4),
                 "loss": self.loss, "loop": self.loop, "method": self.method,
-                "low": self.low, "high": self.high,
+                "low": self.low, "expected": self.expected, "high": self.high,
                 "measures": "nvidia-smi" if self.device.type == "cuda" else "bytes allocated"}
 
     def __str__(self) -> str:
@@ -168,8 +169,9 @@ class MemoryEstimate:
             lines.append(f"  {name:<{width}}  {format_size(size):>10}  {share}")
         lines.append(f"  peak during the {self.peak_phase or 'step'}")
         if self.device.type == "cuda":
-            lines.append(f"  nvidia-smi will show {format_size(self.low)} to {format_size(self.high)} "
-                         "(the peak above, plus the caching allocator's reserve, the CUDA context and "
+            lines.append(f"  nvidia-smi will show about {format_size(self.expected)} ({format_size(self.low)} "
+                         f"to {format_size(self.high)}: "
+                         "the peak above, plus the caching allocator's reserve, the CUDA context and "
                          "cuBLAS/cuDNN workspaces)")
         else:
             lines.append("  (bytes allocated at the peak; no caching allocator on the CPU)")
@@ -258,7 +260,7 @@ def estimate_memory(
                                batch_size=b, loss_fn=loss_fn, step=step, device=target)
 
     convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    low, _, high = gpu_range(peak, convolutions=convolutions, hopper=_hopper()) \
+    low, expected, high = gpu_range(peak, convolutions=convolutions, hopper=_hopper()) \
         if target.type == "cuda" else (peak, peak, peak)
     name = optimizer if isinstance(optimizer, str) else ("none" if optimizer is None else "custom")
     return MemoryEstimate(
@@ -267,7 +269,7 @@ def estimate_memory(
         precision={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         parameters=sum(p.numel() for p in model.parameters()), seconds=seconds,
         loss=loss_name if training else "none", loop=loop if training else "forward only",
-        method=method, low=low, high=high, convolutions=convolutions,
+        method=method, low=low, expected=expected, high=high, convolutions=convolutions,
         _again=again if batch is not None else None,
     )
 
