@@ -107,3 +107,74 @@ def test_advise_cli_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
 def test_advise_rejects_bad_gpus() -> None:
     with pytest.raises(dk.InvalidValueError, match="gpus\\[0\\]"):
         dk.advise(*_big(), gpus=[object()])
+
+
+def test_estimate_loss_and_step_flags(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["estimate", "fit_models:tiny_lm", "--input", "128:long", "--batch", "4", "--json"]
+    peaks = {}
+    for extra in (["--loss", "sum"], ["--loss", "cross-entropy"], [], ["--step", "fit_models:lm_step"]):
+        code, out, _ = run(capsys, monkeypatch, *base, *extra)
+        data = json.loads(out)
+        assert code == 0 and data["measures"] == "bytes allocated"
+        peaks[" ".join(extra)] = data
+    assert peaks[""]["loss"] == "cross-entropy (assumed)" and "assumed" in peaks[""]["loop"]
+    assert peaks["--loss sum"]["peak"] < peaks["--loss cross-entropy"]["peak"] == peaks[""]["peak"]
+    assert "lm_step (yours)" in peaks["--step fit_models:lm_step"]["loop"]
+    code, out, _ = run(capsys, monkeypatch, *base[:-1])
+    assert "cross-entropy (assumed)" in out and "--step MODULE:FN" in out and "bytes allocated" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--loss", "hinge"], "loss 'hinge' is unknown"),
+    (["--precision", "fp8"], "precision 'fp8'"),
+    (["--step", "fit_models"], "not MODULE:FN"),
+    (["--step", "fit_models:nothing_here"], "no callable 'nothing_here'"),
+    (["--step", "fit_models:lm_step", "--loss", "mse"], "leave out --loss"),
+])
+def test_step_flag_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                       argv: list[str], words: str) -> None:
+    code, _, err = run(capsys, monkeypatch, "estimate", "fit_models:small_mlp", "--input", "1024", *argv)
+    assert code == 1 and words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_flags_are_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom devicekit.cli.main import main\ntry:\n    main(['estimate', 'x:y', '--input', '4', "
+            "'--optimizer', 'lion'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.strip().endswith("False") and "optimizer 'lion' is unknown" in done.stderr
+
+
+def test_advise_names_rows_that_do_not_apply_and_the_batch_in_words(simulate: Callable[..., Path]) -> None:
+    simulate([h100()])
+    advice = dk.advise(*_big(), host_memory="64GiB")
+    text = str(advice)
+    ddp = next(r for r in advice.rows if r.name.startswith("DDP"))
+    assert not ddp.applicable and "not applicable: only one GPU" in text
+    assert "does not fit: only one GPU" not in text
+    assert "1048576" not in text and "largest batch there: " in advice.best.reason
+    tiny = dk.advise(*_big(), gpus=["8MiB"], host_memory="64GiB")
+    assert "not even batch 1" in next(r for r in tiny.rows if r.name == "one GPU").reason
+    huge = dk.advise(torch.nn.Linear(4, 4), torch.empty(2, 4, device="meta"), gpus=["80GiB"], host_memory="64GiB")
+    assert "more than 1,048,576 (the search stops there)" in huge.best.reason
+
+
+def test_advise_ranks_busy_gpus_by_what_is_free_and_names_their_load(simulate: Callable[..., Path]) -> None:
+    busy = {"name": "NVIDIA H100 80GB HBM3", "memory_total": "80GiB", "memory_used": "60GiB", "utilization": 95}
+    idle = {"name": "NVIDIA H100 80GB HBM3", "memory_total": "80GiB", "memory_used": "70GiB", "utilization": 3}
+    simulate([busy, idle, {**busy, "memory_used": "10GiB"}])
+    advice = dk.advise(*_big(), host_memory="64GiB")
+    assert [label for label, _ in advice.budgets] == ["gpu2", "gpu0", "gpu1"]
+    assert "gpu2 (95 % busy)" in advice.best.reason or "gpu2 (95 % busy)" in str(advice)
+
+
+def test_ddp_row_adds_every_gradient_for_a_language_model() -> None:
+    from tests.memory.zoo import GPT
+
+    model = GPT()
+    advice = dk.advise(model, torch.zeros(8, 32, dtype=torch.long), gpus=["80GiB", "80GiB"], host_memory="64GiB")
+    ddp = next(r for r in advice.rows if r.name.startswith("DDP"))
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    assert ddp.memory_per_gpu == advice.estimate.peak + grads

@@ -1,4 +1,4 @@
-"""The four models the estimate's accuracy is checked on, and the truth: torch's own tracking.
+"""Four models the estimate's accuracy is checked on against a peer: torch's own MemTracker.
 
 Shared by tests/memory, tests/gpu and benchmarks/bench_estimate.py.
 """
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from devicekit.memory.losses import cross_entropy_loss
 from devicekit.memory.step import make_optimizer, training_step
 
 
@@ -70,28 +71,40 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, Any], Any]]] = {
 
 
 def measured_peak_cpu(model: nn.Module, sample: Any, optimizer: str | None = "adam",
-                      precision: str | None = None, steps: int = 2) -> int:
-    """The peak bytes of ``steps`` real steps on CPU, by torch's MemTracker (the truth)."""
+                      precision: str | None = None, steps: int = 2,
+                      loss_fn: Callable[[Any, Any], torch.Tensor] = cross_entropy_loss) -> int:
+    """The peak bytes of ``steps`` real steps on CPU, by torch's MemTracker (a peer's truth).
+
+    The loop is the one the estimate assumes by default: the output kept until the next step
+    replaces it, cross-entropy over the last dimension.
+    """
     from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = make_optimizer(optimizer, model.parameters())
     tracker = MemTracker()
     tracker.track_external(model, *([opt] if opt is not None else []))
+    kept = None
     with tracker:
         for _ in range(steps):
-            training_step(model, sample, opt, precision=precision)
+            kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
             tracker.reset_mod_stats()
+    del kept
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
 def measured_peak_cuda(model: nn.Module, sample: Any, optimizer: str | None = "adam",
-                       precision: str | None = None, steps: int = 2) -> int:
-    """The peak ``torch.cuda.max_memory_allocated`` of ``steps`` real steps (model already on cuda)."""
+                       precision: str | None = None, steps: int = 2,
+                       loss_fn: Callable[[Any, Any], torch.Tensor] = cross_entropy_loss) -> tuple[int, int]:
+    """(max_memory_allocated, max_memory_reserved) of ``steps`` real steps (model already on cuda).
+
+    The same loop as :func:`measured_peak_cpu`; the first step warms up (cuBLAS handles, state).
+    """
     opt = make_optimizer(optimizer, model.parameters())
-    training_step(model, sample, opt, precision=precision)  # warm up: cuBLAS handles, state
+    kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(steps - 1):
-        training_step(model, sample, opt, precision=precision)
+        kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
     torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated())
+    del kept
+    return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())

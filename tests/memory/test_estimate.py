@@ -11,7 +11,7 @@ from devicekit.errors import InvalidValueError
 from devicekit.memory.step import make_optimizer, training_step
 from tests.memory.estimate_models import MODELS, CheckpointedMLP, TiedLM, measured_peak_cpu
 
-#: the issue's goal, met on CPU (measured: every case is within 1 %)
+#: the issue's goal (measured on CPU: every case within 2 %)
 TOLERANCE = 0.10
 
 

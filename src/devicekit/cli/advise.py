@@ -12,7 +12,7 @@ import json
 
 import click
 
-from devicekit.cli.estimate import model_options
+from devicekit.cli.estimate import checked_step_options, model_options
 
 __all__ = ["command"]
 
@@ -20,12 +20,12 @@ __all__ = ["command"]
 @click.command(help="Rank strategies (one GPU, DDP, FSDP, split, offload) for a model on these GPUs.")
 @model_options
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
-            as_json: bool) -> None:
+            loss: str | None, step_spec: str | None, as_json: bool) -> None:
+    kwargs = checked_step_options(optimizer, precision, loss, step_spec)
     from devicekit.cli.model_factory import load_factory, parse_inputs
     from devicekit.strategy.advise import advise
 
     sample = parse_inputs(inputs, batch)
     model = load_factory(model_spec)
-    advice = advise(model, sample, optimizer=None if optimizer.lower() == "none" else optimizer,
-                    precision=precision)
+    advice = advise(model, sample, **kwargs)
     click.echo(json.dumps(advice.to_dict(), indent=2) if as_json else str(advice))

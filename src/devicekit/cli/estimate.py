@@ -4,17 +4,20 @@ Usage::
 
     devicekit estimate mypkg.models:build_resnet --input 3x224x224 --batch 64
     devicekit estimate mypkg.models:build_lm --input 512:long --batch 8 --precision bf16 --json
+    devicekit estimate mypkg.models:build_lm --input 512:long --loss cross-entropy
+    devicekit estimate mypkg.models:build_lm --input 512:long --step mytrain:step
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
 from devicekit.units import format_size
 
-__all__ = ["command", "model_options"]
+__all__ = ["checked_step_options", "command", "model_options"]
 
 
 def model_options(fn: click.decorators.FC) -> click.decorators.FC:
@@ -28,6 +31,10 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
         click.option("--optimizer", default="adam", show_default=True,
                      help="adam, adamw, sgd, sgd-momentum, rmsprop, adagrad or none."),
         click.option("--precision", default=None, help="bf16 or fp16 (autocast); default fp32."),
+        click.option("--loss", default=None, metavar="cross-entropy|mse|sum",
+                     help="The loss your loop computes; default: cross-entropy (assumed)."),
+        click.option("--step", "step_spec", default=None, metavar="MODULE:FN",
+                     help="Your own step: FN(model, sample) runs forward, loss and backward()."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table."),
     ]):
         fn = decorator(fn)
@@ -38,17 +45,37 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
 @model_options
 @click.option("--inference", is_flag=True, help="Size a forward pass without gradients instead.")
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
-            as_json: bool, inference: bool) -> None:
+            loss: str | None, step_spec: str | None, as_json: bool, inference: bool) -> None:
+    kwargs = checked_step_options(optimizer, precision, loss, step_spec)
     from devicekit.cli.model_factory import load_factory, parse_inputs
     from devicekit.memory.estimate import estimate_memory
 
     sample = parse_inputs(inputs, batch)
     model = load_factory(model_spec)
-    est = estimate_memory(model, sample, optimizer=None if optimizer.lower() == "none" else optimizer,
-                          precision=precision, training=not inference)
+    est = estimate_memory(model, sample, training=not inference, **kwargs)
     if as_json:
         click.echo(json.dumps(est.to_dict(), indent=2))
         return
     click.echo(str(est))
-    click.echo(f"  (estimated in {est.seconds:.2f} s on fake tensors; {format_size(est.peak)} is the "
-               "peak the caching allocator hands out)")
+    what = "what nvidia-smi shows, at most" if est.device.type == "cuda" else "bytes allocated at the peak"
+    click.echo(f"  (estimated in {est.seconds:.2f} s; {format_size(est.high or est.peak)}: {what})")
+
+
+def checked_step_options(optimizer: str, precision: str | None, loss: str | None,
+                         step_spec: str | None) -> dict[str, Any]:
+    """The step's keyword arguments from the flags, each checked before torch is imported."""
+    from devicekit.errors import InvalidValueError
+    from devicekit.memory.step_names import check_step_names
+
+    check_step_names(optimizer=optimizer, precision=precision, loss=loss)
+    if step_spec is not None and loss is not None:
+        raise InvalidValueError(f"--step {step_spec} computes its own loss; leave out --loss {loss}")
+    if step_spec is not None and ":" not in step_spec:
+        raise InvalidValueError(f"step {step_spec!r} is not MODULE:FN, e.g. mytrain:step")
+    kwargs: dict[str, Any] = {"optimizer": None if optimizer.lower() == "none" else optimizer,
+                              "precision": precision, "loss_fn": loss}
+    if step_spec is not None:
+        from devicekit.cli.model_factory import load_function
+
+        kwargs["step"] = load_function(step_spec, "step", "MODULE:FN")
+    return kwargs

@@ -15,29 +15,35 @@ from typing import Any
 
 from devicekit.errors import InvalidValueError
 
-__all__ = ["load_factory", "parse_inputs"]
+__all__ = ["load_factory", "load_function", "parse_inputs"]
 
 _DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": "bfloat16",
            "bfloat16": "bfloat16", "fp16": "float16", "half": "float16", "long": "int64",
            "int64": "int64", "int": "int32", "int32": "int32", "bool": "bool"}
 
 
-def load_factory(spec: str) -> Any:
-    """Import ``module:function`` (from the current directory too) and call it; the model."""
-    from torch import nn
-
+def load_function(spec: str, what: str = "model", form: str = "MODULE:FACTORY") -> Any:
+    """Import ``module:function`` (from the current directory too); the function, not called."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise InvalidValueError(f"model {spec!r} is not MODULE:FACTORY, e.g. mypkg.models:build_resnet")
+        raise InvalidValueError(f"{what} {spec!r} is not {form}, e.g. mypkg.models:build_resnet")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise InvalidValueError(f"model {spec!r}: cannot import {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise InvalidValueError(f"model {spec!r}: {module_name!r} has no callable {attr!r}")
+        raise InvalidValueError(f"{what} {spec!r}: cannot import {module_name!r} ({exc})") from None
+    function = getattr(module, attr, None)
+    if function is None or not callable(function):
+        raise InvalidValueError(f"{what} {spec!r}: {module_name!r} has no callable {attr!r}")
+    return function
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``module:function`` (from the current directory too) and call it; the model."""
+    from torch import nn
+
+    factory = load_function(spec)
     try:
         model = factory()
     except Exception as exc:

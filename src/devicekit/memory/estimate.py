@@ -7,7 +7,18 @@ a laptop. Everything the step does is counted, because it is what runs: saved ac
 temporaries of the backward, the optimizer's state and its temporaries, autocast copies
 (``precision="bf16"``), a model made half by ``dk.half``, and activation checkpointing.
 Unlike accelerate's ``estimate-memory`` (weights x 4 for Adam, no activations) the answer is
-the peak of the step, within a few percent of what torch measures.
+the peak of the step. Kernels whose fake version allocates less than the real one (an LSTM's
+oneDNN workspace, cuDNN's reserve space) are sized as the real one (:mod:`.real_kernels`).
+
+What runs is the user's loop: ``step=fn`` runs ``fn(model, sample)`` (forward, loss,
+``backward()``, as the user's loop does; what it returns stays alive until the next step), and
+devicekit adds the optimizer step. Without it the common loop is assumed: ``out = model(x);
+loss = crit(out, y); loss.backward()`` with ``out`` alive until the next step replaces it, and
+``loss_fn`` (a function, or "cross-entropy", "mse", "sum"; default: cross-entropy over the last
+dimension, never cheaper than a language model's loss). The table says what was assumed.
+On CUDA the answer is a range (``low``, ``peak``, ``high``) of what nvidia-smi will show; a
+model whose shapes depend on values is sized by real CPU steps at a quarter and half the batch
+(at most 64 and 128), extrapolated.
 
 Usage::
 
@@ -19,6 +30,9 @@ Usage::
     est.peak, est.parts["activations"]
     est.max_batch_size("20GiB")         # largest batch within 20 GiB, from fake runs only
     dk.estimate_memory(model, sample, precision="bf16", batch_size=64, optimizer="sgd")
+    dk.estimate_memory(model, sample, loss_fn="mse")
+    dk.estimate_memory(model, sample, step=my_step)   # my_step(model, sample): forward, loss, backward
+    est.fits("24GiB"), est.fits(dk.gpus()[0]).reason
 """
 
 from __future__ import annotations
@@ -33,7 +47,11 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.fake_step import PARTS, fake_step, resize_batch
-from devicekit.memory.step import OptimizerSpec, parse_precision, tensors
+from devicekit.memory.fit_check import Fit, check_fit
+from devicekit.memory.gpu_overhead import gpu_range
+from devicekit.memory.losses import LossFn, resolve_loss
+from devicekit.memory.real_step import fake_tensors_cannot_run, real_peaks
+from devicekit.memory.step import OptimizerSpec, StepFn, parse_precision, tensors
 from devicekit.units import format_size, parse_size
 
 __all__ = ["MemoryEstimate", "estimate_memory", "default_estimate_device"]
@@ -58,6 +76,13 @@ class MemoryEstimate:
     precision: str
     parameters: int
     seconds: float
+    loss: str = "sum"
+    loop: str = ""
+    method: str = "fake tensors"
+    low: int = 0                       # on CUDA: what nvidia-smi shows, at least / about / at most
+    expected: int = 0
+    high: int = 0
+    convolutions: bool = False
     _again: Callable[[int], MemoryEstimate] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -113,6 +138,11 @@ class MemoryEstimate:
                 hi = mid
         return min(lo, limit)
 
+    def fits(self, target: int | str | Any) -> Fit:
+        """Whether the step fits ``target`` (a size such as "24GiB", or a ``dk.GPU``), and why."""
+        return check_fit(self.peak, self.low or self.peak, self.high or self.peak, self.device.type,
+                         target, convolutions=self.convolutions)
+
     def rows(self) -> list[tuple[str, int]]:
         """(part, bytes) for every part, then the peak."""
         return [(name, self.parts.get(name, 0)) for name in PARTS] + [("peak", self.peak)]
@@ -122,7 +152,10 @@ class MemoryEstimate:
         return {"peak": self.peak, "parts": dict(self.parts), "peak_phase": self.peak_phase,
                 "batch_size": self.batch_size, "device": str(self.device), "training": self.training,
                 "optimizer": self.optimizer, "precision": self.precision,
-                "parameters": self.parameters, "seconds": round(self.seconds, 4)}
+                "parameters": self.parameters, "seconds": round(self.seconds, 4),
+                "loss": self.loss, "loop": self.loop, "method": self.method,
+                "low": self.low, "expected": self.expected, "high": self.high,
+                "measures": "nvidia-smi" if self.device.type == "cuda" else "bytes allocated"}
 
     def __str__(self) -> str:
         mode = f"training, optimizer {self.optimizer}" if self.training else "inference"
@@ -135,6 +168,19 @@ class MemoryEstimate:
             share = f"{100 * size / self.peak:5.1f} %" if self.peak else ""
             lines.append(f"  {name:<{width}}  {format_size(size):>10}  {share}")
         lines.append(f"  peak during the {self.peak_phase or 'step'}")
+        if self.device.type == "cuda":
+            lines.append(f"  nvidia-smi will show about {format_size(self.expected)} ({format_size(self.low)} "
+                         f"to {format_size(self.high)}: "
+                         "the peak above, plus the caching allocator's reserve, the CUDA context and "
+                         "cuBLAS/cuDNN workspaces)")
+        else:
+            lines.append("  (bytes allocated at the peak; no caching allocator on the CPU)")
+        lines.append(f"  sized by: {self.method}")
+        if self.training:
+            lines.append(f"  loop: {self.loop}; loss: {self.loss}")
+            if "assumed" in self.loop or "assumed" in self.loss:
+                lines.append("  give yours: step=fn / --step MODULE:FN (forward, loss, backward), "
+                             "or loss_fn= / --loss cross-entropy|mse|sum")
         return "\n".join(lines)
 
 
@@ -157,7 +203,8 @@ def estimate_memory(
     precision: str | torch.dtype | None = None,
     training: bool = True,
     batch_size: int | None = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss_fn: str | LossFn | None = None,
+    step: StepFn | None = None,
     device: str | torch.device | None = None,
 ) -> MemoryEstimate:
     """The peak memory of one step of ``model`` on ``sample``; see the module doc.
@@ -166,9 +213,10 @@ def estimate_memory(
     dict of keyword arguments); only shapes and dtypes matter, so meta tensors are fine.
     ``batch_size`` replaces the first dimension of every tensor in it. ``optimizer``: a name
     (adam, adamw, sgd, sgd-momentum, rmsprop, adagrad), None, or a function params ->
-    optimizer. ``precision``: None, "bf16" or "fp16" (autocast). ``loss_fn(output, sample)``:
-    the loss (default: the sum of the floating outputs). ``device``: what the step is sized for
-    (default: cuda where torch has CUDA, else cpu).
+    optimizer. ``precision``: None, "bf16" or "fp16" (autocast). ``loss_fn(output, sample)``
+    or "cross-entropy" / "mse" / "sum": the loss (default: cross-entropy, assumed).
+    ``step(model, sample)``: the user's forward, loss and backward instead. ``device``: what the
+    step is sized for (default: cuda where torch has CUDA, else cpu).
     """
     if not isinstance(model, nn.Module):
         raise InvalidValueError(f"model {type(model).__name__} is not an nn.Module")
@@ -177,36 +225,96 @@ def estimate_memory(
     if next(tensors(sample), None) is None:
         raise InvalidValueError(f"sample {type(sample).__name__} holds no tensor; pass one batch, "
                                 "e.g. torch.empty(8, 3, 224, 224, device='meta')")
+    if step is not None and (not callable(step) or loss_fn is not None):
+        raise InvalidValueError(f"step {step!r}: give a function step(model, sample) that runs the "
+                                "forward, the loss and backward(), and no loss_fn beside it")
     dtype = parse_precision(precision)
+    loss, loss_name = resolve_loss(loss_fn)
+    if step is not None:
+        loss_name = "computed by the step"
+        loop = f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step"
+    else:
+        loop = "out = model(x); loss(out).backward(); out kept until the next step (assumed)"
     target = torch.device(device) if device is not None else default_estimate_device()
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "
                                 "cannot be traced here; use device='cpu'")
     shapes = resize_batch(sample, batch_size)
     batch = _batch_of(shapes)
+    kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": dtype, "loss_fn": loss,
+                              "keep_output": step is None, "step": step}
     start = time.perf_counter()
+    method = "fake tensors (nothing allocated)"
     try:
-        peak, parts, phase = fake_step(model, shapes, optimizer=optimizer, precision=dtype,
-                                       training=training, loss_fn=loss_fn, device=target)
+        peak, parts, phase = fake_step(model, shapes, training=training, device=target, **kwargs)
     except InvalidValueError:
         raise
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InvalidValueError(
-            f"model {type(model).__name__} failed on the sample "
-            f"{[tuple(t.shape) for t in tensors(shapes)]}: {type(exc).__name__}: {first}"
-        ) from exc
+        if not (training and batch is not None and fake_tensors_cannot_run(exc)):
+            raise _failed(model, shapes, exc) from exc
+        peak, parts, phase, method = _extrapolated(model, shapes, batch, exc, kwargs)
     seconds = time.perf_counter() - start
 
     def again(b: int) -> MemoryEstimate:
-        return estimate_memory(model, sample, optimizer=optimizer, precision=precision,
-                               training=training, batch_size=b, loss_fn=loss_fn, device=target)
+        return estimate_memory(model, sample, optimizer=optimizer, precision=precision, training=training,
+                               batch_size=b, loss_fn=loss_fn, step=step, device=target)
 
+    convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    low, expected, high = gpu_range(peak, convolutions=convolutions, hopper=_hopper()) \
+        if target.type == "cuda" else (peak, peak, peak)
     name = optimizer if isinstance(optimizer, str) else ("none" if optimizer is None else "custom")
     return MemoryEstimate(
         peak=peak, parts=parts, peak_phase=phase, batch_size=batch, device=target,
         training=training, optimizer=name if training else "none",
         precision={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         parameters=sum(p.numel() for p in model.parameters()), seconds=seconds,
+        loss=loss_name if training else "none", loop=loop if training else "forward only",
+        method=method, low=low, expected=expected, high=high, convolutions=convolutions,
         _again=again if batch is not None else None,
     )
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _failed(model: nn.Module, shapes: Any, exc: BaseException) -> InvalidValueError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return InvalidValueError(f"model {type(model).__name__} failed on the sample "
+                             f"{[tuple(t.shape) for t in tensors(shapes)]}: {type(exc).__name__}: {first}")
+
+
+def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseException,
+                  kwargs: dict[str, Any]) -> tuple[int, dict[str, int], str, str]:
+    """Peak and parts at ``batch`` from two real CPU steps at small batches.
+
+    Each phase's peak (forward, backward, optimizer step) is a straight line in the batch: the
+    optimizer step's hardly grows, the forward's and backward's grow with the activations, so
+    the phase that peaks at a small batch need not be the one that peaks at ``batch``.
+    """
+    b1 = max(1, min(batch // 4, 64))
+    b2 = 2 * b1
+    try:
+        first, second = real_peaks(model, shapes, batches=(b1, b2), **kwargs)
+    except InvalidValueError:
+        raise
+    except Exception as exc:
+        raise _failed(model, shapes, cause) from exc
+
+    def line(y1: float, y2: float) -> int:
+        return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
+
+    best: tuple[int, dict[str, int], str] = (-1, {}, "")
+    for phase, (p2, parts2) in second.items():
+        p1, parts1 = first.get(phase, (p2, parts2))
+        peak = line(p1, p2)
+        if peak > best[0]:
+            parts = {k: line(parts1.get(k, 0), parts2.get(k, 0)) for k in PARTS}
+            best = (peak, parts, phase)
+    peak, parts, phase = best
+    parts["activations"] += peak - sum(parts.values())   # the line of the sum, not of the parts
+    if parts["activations"] < 0:
+        parts["temporaries"] += parts["activations"]
+        parts["activations"] = 0
+    return peak, parts, phase, (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch "
+                                f"{batch} (fake tensors cannot run it: {type(cause).__name__})")

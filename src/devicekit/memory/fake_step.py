@@ -38,17 +38,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from devicekit.memory.step import OptimizerSpec, make_optimizer, training_step
+from devicekit.memory.real_kernels import real_outputs
+from devicekit.memory.step import OptimizerSpec, StepFn, make_optimizer, training_step
 from devicekit.placement.walk import iter_tensors, map_tensors
 
-__all__ = ["PARTS", "fake_step", "resize_batch"]
+__all__ = ["PARTS", "LiveBytes", "fake_step", "phase_hooks", "resize_batch"]
 
 #: the parts of a step's memory, in the order tables show them
 PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "temporaries")
 _CUDA_BLOCK = 512
 
 
-class _LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):
     """Counts the bytes of every live storage, by part, and the parts at the peak."""
 
     def __init__(self, device_type: str) -> None:
@@ -59,6 +60,7 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.live)
         self.peak_phase = ""
+        self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}   # phase -> (peak, parts then)
         self.phase = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -89,6 +91,7 @@ class _LiveBytes(TorchDispatchMode):
     def restart_peak(self) -> None:
         """Forget the peak so far (after the first step: the steady state is what counts)."""
         self.peak, self.at_peak, self.peak_phase = 0, dict(self.live), ""
+        self.phase_peaks = {}
         self.note_peak()
 
     def note_peak(self) -> None:
@@ -97,9 +100,11 @@ class _LiveBytes(TorchDispatchMode):
             self.peak = total
             self.at_peak = dict(self.live)
             self.peak_phase = self.phase
+        if total > self.phase_peaks.get(self.phase, (-1,))[0]:
+            self.phase_peaks[self.phase] = (total, dict(self.live))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = real_outputs(func, args, func(*args, **(kwargs or {})))
         tree_map_only(torch.Tensor, self.track, out)
         return out
 
@@ -120,7 +125,7 @@ def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
-def _fake_model(model: nn.Module, device: torch.device, tracker: _LiveBytes) -> nn.Module:
+def _fake_model(model: nn.Module, device: torch.device, tracker: LiveBytes) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake (ties kept), counted as weights."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
@@ -144,12 +149,16 @@ def fake_step(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     device: torch.device,
     steps: int = 2,
+    keep_output: bool = False,
+    step: StepFn | None = None,
 ) -> tuple[int, dict[str, int], str]:
     """(peak bytes, parts at the peak, phase of the peak) of ``steps`` steps on fake tensors.
 
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
+    ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
+    keeps stays alive until the next step has made its own, as in a loop.
     """
-    tracker = _LiveBytes(device.type)
+    tracker = LiveBytes(device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _quiet_fake_tensor_log(), fake_mode, tracker:
         fake = _fake_model(model, device, tracker)
@@ -158,19 +167,21 @@ def fake_step(
         for t in _flat(batch):
             tracker.track(t, "inputs")
         opt = make_optimizer(optimizer, fake.parameters(), foreach=device.type == "cuda") if training else None
-        hooks = _phase_hooks(fake, opt, tracker)
+        hooks = phase_hooks(fake, opt, tracker)
+        kept: Any = None
         try:
-            for step in range(steps if training else 1):
-                if step == 1:  # gradients and optimizer state now exist: measure the steady state
+            for index in range(steps if training else 1):
+                if index == 1:  # gradients and optimizer state now exist: measure the steady state
                     tracker.restart_peak()
-                training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
-                              training=training, device_type=device.type)
+                kept = training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
+                                     training=training, device_type=device.type,
+                                     keep_output=keep_output, step=step)
                 tracker.phase, tracker.part = "after step", "temporaries"
         finally:
             for handle in hooks:
                 handle.remove()
         result = (tracker.peak, dict(tracker.at_peak), tracker.peak_phase)
-        del fake, batch, opt
+        del fake, batch, opt, kept
     return result
 
 
@@ -195,7 +206,7 @@ def _flat(obj: Any) -> list[torch.Tensor]:
     return list(iter_tensors(obj))
 
 
-def _phase_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, tracker: _LiveBytes) -> list[Any]:
+def phase_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, tracker: LiveBytes) -> list[Any]:
     """Hooks that tell the tracker which part new tensors belong to, and retag grads and state."""
     def forward_starts(module: nn.Module, args: Any) -> None:
         tracker.phase, tracker.part = "forward", "activations"

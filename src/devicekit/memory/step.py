@@ -26,7 +26,7 @@ from torch import nn
 from devicekit.errors import InvalidValueError
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "default_loss", "make_optimizer", "parse_precision",
-           "tensors", "training_step"]
+           "StepFn", "tensors", "training_step"]
 
 #: optimizer name -> (class, keyword arguments)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -120,6 +120,9 @@ def call_model(model: nn.Module, sample: Any) -> Any:
     return model(sample)
 
 
+StepFn = Callable[[nn.Module, Any], Any]
+
+
 def training_step(
     model: nn.Module,
     sample: Any,
@@ -129,10 +132,16 @@ def training_step(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     training: bool = True,
     device_type: str | None = None,
-) -> None:
+    keep_output: bool = False,
+    step: StepFn | None = None,
+) -> Any:
     """Run one step: zero grads, forward (+ autocast), loss, backward, optimizer step.
 
-    ``training=False`` runs the forward only, under ``torch.no_grad()``.
+    ``training=False`` runs the forward only, under ``torch.no_grad()``. ``keep_output``: the
+    output stays alive through the backward and is returned, as ``out = model(x); loss =
+    crit(out, y); loss.backward()`` keeps it until the next step replaces it. ``step(model,
+    sample)`` replaces forward, loss and backward with the user's own; what it returns is
+    returned (kept alive the same way).
     """
     dtype = parse_precision(precision)
     if device_type is None:
@@ -142,17 +151,23 @@ def training_step(
     if not training:
         with torch.no_grad(), autocast:
             call_model(model, sample)
-        return
+        return None
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     else:
         for p in model.parameters():
             p.grad = None
-    with autocast:
-        output = call_model(model, sample)
-        loss = (loss_fn or default_loss)(output, sample)
-    del output
-    loss.backward()
-    del loss
+    if step is not None:
+        with autocast:
+            kept = step(model, sample)
+    else:
+        with autocast:
+            output = call_model(model, sample)
+            loss = (loss_fn or default_loss)(output, sample)
+        kept = output if keep_output else None
+        del output
+        loss.backward()
+        del loss
     if optimizer is not None:
         optimizer.step()
+    return kept

@@ -33,7 +33,8 @@ from torch import nn
 
 from devicekit.errors import DeviceKitError, InvalidValueError
 from devicekit.memory.estimate import MemoryEstimate, estimate_memory
-from devicekit.memory.step import OptimizerSpec
+from devicekit.memory.losses import LossFn
+from devicekit.memory.step import OptimizerSpec, StepFn
 from devicekit.parallel.blocks import find_blocks
 from devicekit.units import format_size, parse_size
 
@@ -55,6 +56,7 @@ class Strategy:
     command: str
     batch_size: int | None = None      # per GPU
     global_batch: int | None = None
+    applicable: bool = True            # False: the row does not apply here (e.g. DDP on one GPU)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Advice:
     rows: list[Strategy]
     estimate: MemoryEstimate
     budgets: list[tuple[str, int]] = field(default_factory=list)
+    loads: dict[str, float] = field(default_factory=dict)      # label -> utilization %, where known
 
     @property
     def best(self) -> Strategy:
@@ -71,40 +74,67 @@ class Advice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"best": self.best.name, "estimate": self.estimate.to_dict(),
-                "gpus": [{"name": n, "usable": u} for n, u in self.budgets],
+                "gpus": [{"name": n, "usable": u, "utilization": self.loads.get(n)} for n, u in self.budgets],
                 "strategies": [vars(s) for s in self.rows]}
 
     def __str__(self) -> str:
-        gpus = ", ".join(f"{n} {format_size(u)}" for n, u in self.budgets) or "none"
-        lines = [f"one step needs {format_size(self.estimate.peak)} (batch {self.estimate.batch_size}, "
-                 f"{format_size(self.estimate.model_state)} of it weights + gradients + optimizer state)",
-                 f"usable GPU memory (10 % headroom kept): {gpus}", ""]
+        gpus = ", ".join(f"{n} {format_size(u)}{_load(self.loads.get(n))}" for n, u in self.budgets) or "none"
+        est = self.estimate
+        lines = [f"one step needs {format_size(est.peak)} (batch {est.batch_size}, "
+                 f"{format_size(est.model_state)} of it weights + gradients + optimizer state)",
+                 f"  assumed: {est.loop}; loss {est.loss}; sized by {est.method}",
+                 f"usable GPU memory (free, less 10 % headroom): {gpus}", ""]
         width = max(len(s.name) for s in self.rows)
         for rank, s in enumerate(self.rows, 1):
-            mark = "fits" if s.fits else "does not fit"
+            mark = "fits" if s.fits else "does not fit" if s.applicable else "not applicable"
             lines.append(f"{rank}. {s.name:<{width}}  {format_size(s.memory_per_gpu):>10}/GPU  {mark}: {s.reason}")
             if s.fits:
                 lines.append(f"   {'':<{width}}  run: {s.command}")
         return "\n".join(lines)
 
 
-def _budgets(gpus: Sequence[Any] | None) -> list[tuple[str, int]]:
-    """(label, usable bytes) per GPU: free memory minus headroom x total."""
+def _load(util: float | None) -> str:
+    return f" ({util:.0f} % busy)" if util is not None and util >= 50 else ""
+
+
+def _budgets(gpus: Sequence[Any] | None) -> tuple[list[tuple[str, int]], dict[str, float]]:
+    """(label, usable bytes) per GPU, roomiest first (free memory minus headroom x total), and loads."""
     if gpus is None:
         from devicekit.hardware.inventory import gpus as inventory
 
         gpus = inventory()
-    budgets = []
+    budgets, loads = [], {}
     for i, gpu in enumerate(gpus):
         if isinstance(gpu, (str, int)) and not isinstance(gpu, bool):
             size = parse_size(gpu, name=f"gpus[{i}]")
             budgets.append((f"gpu{i}", int(size * (1 - HEADROOM))))
         elif hasattr(gpu, "memory_free") and hasattr(gpu, "memory_total"):
             usable = max(int(gpu.memory_free - HEADROOM * gpu.memory_total), 0)
-            budgets.append((f"gpu{getattr(gpu, 'index', i)}", usable))
+            label = f"gpu{getattr(gpu, 'index', i)}"
+            budgets.append((label, usable))
+            util = getattr(gpu, "utilization", None)
+            if isinstance(util, (int, float)) and not isinstance(util, bool):
+                loads[label] = float(util)
         else:
             raise InvalidValueError(f"gpus[{i}] {gpu!r} is neither a dk.GPU nor a size such as '80GiB'")
-    return budgets
+    budgets.sort(key=lambda b: (-b[1], loads.get(b[0], 0.0)))   # most free first; idler on a tie
+    return budgets, loads
+
+
+#: the batch search stops here; a larger answer is reported as "more than" this, never as it
+BATCH_LIMIT = 1 << 20
+
+
+def _largest_batch(est: MemoryEstimate, room: int) -> str:
+    """The largest batch within ``room``, in words: never a silent cap, never a bare 0."""
+    if est.batch_size is None:
+        return "unknown (the sample has no batch dimension)"
+    n = est.max_batch_size(room, limit=BATCH_LIMIT)
+    if n == 0:
+        return "not even batch 1"
+    if n >= BATCH_LIMIT:
+        return f"more than {BATCH_LIMIT:,} (the search stops there)"
+    return f"{n:,}"
 
 
 def advise(
@@ -116,22 +146,29 @@ def advise(
     precision: str | torch.dtype | None = None,
     batch_size: int | None = None,
     host_memory: int | str | None = None,
+    loss_fn: str | LossFn | None = None,
+    step: StepFn | None = None,
 ) -> Advice:
-    """Rank the strategies for training ``model`` on ``sample``'s batch; see the module doc."""
-    est = estimate_memory(model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size)
-    budgets = _budgets(gpus)
+    """Rank the strategies for training ``model`` on ``sample``'s batch; see the module doc.
+
+    ``loss_fn`` / ``step``: the loss or the whole step of the user's loop, as for
+    ``dk.estimate_memory`` (default: cross-entropy, output kept until the next step).
+    """
+    est = estimate_memory(model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
+                          loss_fn=loss_fn, step=step)
+    budgets, loads = _budgets(gpus)
     if host_memory is None:
         import psutil
 
         host = int(psutil.virtual_memory().available * (1 - HEADROOM))
     else:
         host = parse_size(host_memory, name="host_memory")
-    rows = _strategies(model, est, budgets, host, precision)
-    return Advice(rows=_rank(rows), estimate=est, budgets=budgets)
+    rows = _strategies(model, est, budgets, host, loads)
+    return Advice(rows=_rank(rows), estimate=est, budgets=budgets, loads=loads)
 
 
 def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, int]], host: int,
-                precision: Any) -> list[Strategy]:
+                loads: dict[str, float]) -> list[Strategy]:
     peak, state, batch = est.peak, est.model_state, est.batch_size
     working = peak - state                         # activations, temporaries, inputs at the peak
     blocks = find_blocks(model)
@@ -143,17 +180,20 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, 
                              f"of {format_size(host)} host RAM", "python train.py  # on the CPU",
                              batch, batch))
         return rows
-    best_room = max(u for _, u in budgets)
-    single_batch = est.max_batch_size(best_room) if batch is not None else None
+    best_label, best_room = budgets[0]
+    single_batch = _largest_batch(est, best_room)
     fits_one = peak <= best_room
+    there = f"{best_label}{_load(loads.get(best_label))}"
     rows.append(Strategy(
         "one GPU", 1, peak, fits_one,
-        (f"the step needs {format_size(peak)}, the roomiest GPU has {format_size(best_room)}; "
-         f"largest batch there: {single_batch}") if fits_one else
-        f"the step needs {format_size(peak)} but the roomiest GPU has {format_size(best_room)}"
-        f" (largest batch there: {single_batch})",
+        (f"the step needs {format_size(peak)}, the roomiest GPU ({there}) has {format_size(best_room)} "
+         f"free; largest batch there: {single_batch}") if fits_one else
+        f"the step needs {format_size(peak)} but the roomiest GPU ({there}) has {format_size(best_room)}"
+        f" free (largest batch there: {single_batch})",
         "devicekit run --gpus 1 -- python train.py", batch, batch))
-    ddp_need = peak + est.parts["gradients"]        # DDP's buckets hold a second copy of the grads
+    # DDP's buckets hold a second copy of every gradient, whatever part of them is live at the peak
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    ddp_need = peak + buckets
     ddp_n = sum(1 for _, u in budgets if u >= ddp_need)
     n_all = len(budgets)
     rows.append(Strategy(
@@ -163,7 +203,7 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, 
         if ddp_n >= 2 else (f"needs {format_size(ddp_need)} per GPU (the step + gradient buckets); "
                             f"{ddp_n} GPU(s) have that" if n_all > 1 else "only one GPU"),
         f"devicekit run --gpus {max(ddp_n, 2)} -- python train.py  # model = dk.ddp(model)",
-        batch, (batch or 1) * max(ddp_n, 1)))
+        batch, (batch or 1) * max(ddp_n, 1), applicable=n_all > 1))
     for n in range(2, n_all + 1) or [n_all]:
         fsdp_need = state // n + working + 2 * largest
         room = sorted((u for _, u in budgets), reverse=True)[n - 1]
@@ -176,7 +216,8 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, 
         f"{len(blocks)} blocks gathered one at a time (largest {format_size(largest)}), plus "
         f"{format_size(working)} of activations and temporaries per GPU; global batch {n * (batch or 1)}"
         if n_all >= 2 else "needs at least 2 GPUs",
-        f"devicekit run --gpus {n} -- python train.py  # model = dk.shard(model)", batch, n * (batch or 1)))
+        f"devicekit run --gpus {n} -- python train.py  # model = dk.shard(model)", batch, n * (batch or 1),
+        applicable=n_all >= 2))
     rows.append(_split_row(model, est, budgets))
     offload_need = working + 2 * largest
     rows.append(Strategy(
@@ -203,7 +244,7 @@ def _split_row(model: nn.Module, est: MemoryEstimate, budgets: list[tuple[str, i
     n = len(plan.parts)
     if n < 2:
         return Strategy("split / pipeline", 1, per_gpu, False, "not needed: the layers fit on one GPU",
-                        "model = dk.split(model, dk.plan_devices(model))")
+                        "model = dk.split(model, dk.plan_devices(model))", applicable=False)
     return Strategy(f"split / pipeline over {n}", n, per_gpu, True,
                     f"layers balanced over {n} GPUs by dk.plan_devices; one GPU works at a time "
                     "(a Pipeline with chunks overlaps them)",
@@ -218,6 +259,6 @@ def _rank(rows: list[Strategy]) -> list[Strategy]:
         key = next(v for k, v in order.items() if s.name.startswith(k))
         if not one_fits and s.name.startswith("DDP"):
             key = 9
-        return (0 if s.fits else 1, key)
+        return (0 if s.fits else 1 if s.applicable else 2, key)
 
     return sorted(rows, key=preference)

@@ -1,0 +1,98 @@
+"""When fake tensors cannot run a model: real steps at small batches, extrapolated in the batch.
+
+A model whose shapes depend on values (``nonzero``, top-k routing in a mixture of experts,
+``if x.sum() > 0``) cannot run on fake tensors: there are no values. Running beats faking
+then: :func:`real_peaks` runs two real training steps on the CPU at a smaller batch and at twice
+that, counting live storage bytes with the same tracker the fake step uses, and the estimate
+extrapolates the peak linearly in the batch size (and says that it did). A model on the meta
+device has no values either: that stays a one-line refusal.
+
+Usage::
+
+    from devicekit.memory.real_step import fake_tensors_cannot_run, real_peaks
+
+    try:
+        ...                                    # the fake step
+    except Exception as exc:
+        if fake_tensors_cannot_run(exc):
+            low, high = real_peaks(model, sample, batches=(4, 8), ...)   # phase -> (peak, parts)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicekit.errors import InvalidValueError
+from devicekit.memory.fake_step import LiveBytes, phase_hooks
+from devicekit.memory.step import OptimizerSpec, StepFn, make_optimizer, tensors, training_step
+from devicekit.placement.walk import map_tensors
+
+__all__ = ["fake_tensors_cannot_run", "real_peaks"]
+
+_DATA_DEPENDENT = ("DynamicOutputShapeException", "DataDependentOutputException",
+                   "GuardOnDataDependentSymNode", "UnsupportedOperatorException",
+                   "UnsupportedFakeTensorException")
+
+
+def fake_tensors_cannot_run(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) says the model needs values that fake tensors lack."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in _DATA_DEPENDENT:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _real_sample(sample: Any, batch: int) -> Any:
+    def make(t: torch.Tensor) -> torch.Tensor:
+        shape = [batch, *t.shape[1:]] if t.dim() else []
+        if t.is_floating_point():
+            return torch.randn(shape, dtype=t.dtype)
+        if t.dtype == torch.bool:
+            return torch.ones(shape, dtype=torch.bool)
+        return torch.zeros(shape, dtype=t.dtype)
+
+    return map_tensors(sample, make)
+
+
+def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optimizer: OptimizerSpec,
+               precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+               keep_output: bool, step: StepFn | None,
+               ) -> list[dict[str, tuple[int, dict[str, int]]]]:
+    """Per batch: phase -> (peak, parts at it) of the second of two real CPU steps."""
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        raise InvalidValueError(f"model {type(model).__name__} is on the meta device and its shapes "
+                                "depend on values, so neither fake nor real steps can size it; "
+                                "build it on the CPU at a small size, or pass step=")
+    results = []
+    for batch in batches:
+        real = copy.deepcopy(model).cpu()
+        tracker = LiveBytes("cpu")
+        for t in [*real.parameters(), *real.buffers()]:
+            tracker.track(t, "weights")
+        data = _real_sample(sample, batch)
+        for t in tensors(data):
+            tracker.track(t, "inputs")
+        opt = make_optimizer(optimizer, real.parameters())
+        hooks = phase_hooks(real, opt, tracker)
+        kept: Any = None
+        try:
+            with tracker:
+                for index in range(2):
+                    if index == 1:
+                        tracker.restart_peak()
+                    kept = training_step(real, data, opt, precision=precision, loss_fn=loss_fn,
+                                         device_type="cpu", keep_output=keep_output, step=step)
+                    tracker.phase, tracker.part = "after step", "temporaries"
+        finally:
+            for handle in hooks:
+                handle.remove()
+        results.append(dict(tracker.phase_peaks))
+        del real, opt, kept, data
+    return results

@@ -1,0 +1,103 @@
+"""The truth an estimate is checked against: live storage bytes after every op of a real step.
+
+On CPU torch keeps no allocator statistics, so :func:`measured_peak` counts it the way the
+allocator would: every storage that exists when the measured step starts (weights, gradients,
+optimizer state, the batch) plus every storage an op returns during it, each until its last
+reference dies (a weak reference tells when), sampled after every op. The peak over the
+second step (the steady state: gradients and optimizer state exist) is the truth. Shared by
+tests/memory/test_estimate_zoo.py and benchmarks/bench_estimate.py.
+
+Usage::
+
+    from tests.memory.memory_truth import measured_peak
+
+    truth = measured_peak(model, sample, loss_fn=cross_entropy_loss)
+    truth = measured_peak(model, sample, step=my_step)        # the user's own loop
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from devicekit.memory.step import make_optimizer, tensors, training_step
+
+__all__ = ["LiveStorages", "measured_peak"]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Sums the bytes of live storages after every op; ``peak`` is the largest sum seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, Any] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr() or id(storage)
+        if key in self._seen and self._seen[key][0]() is not None:
+            return
+        size = storage.nbytes()
+        self.live += size
+
+        def gone(_ref: Any, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._seen.pop(key, None)
+
+        self._seen[key] = (weakref.ref(storage, gone), size)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self.add, out)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "adam",
+                  precision: str | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True) -> int:
+    """The peak live bytes of the second of two real training steps on CPU (see the module doc).
+
+    As in a Python loop, what a step keeps stays alive until the next step has made its own:
+    the model's output with ``keep_output`` (``out = model(x); loss = crit(out, y);
+    loss.backward()``), or what ``step(model, sample)`` returns (it replaces forward, loss and
+    backward; the optimizer step follows it).
+    """
+    opt = make_optimizer(optimizer, model.parameters())
+
+    def one_step() -> Any:
+        if step is None:
+            return training_step(model, sample, opt, precision=precision, loss_fn=loss_fn,
+                                 keep_output=keep_output)
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        out = step(model, sample)
+        if opt is not None:
+            opt.step()
+        return out
+
+    kept = one_step()
+    tracker = LiveStorages()
+    held = [*model.parameters(), *model.buffers(), *tensors(sample)]
+    held += [p.grad for p in model.parameters() if p.grad is not None]
+    if opt is not None:
+        held += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for t in held:
+        tracker.add(t)
+    del held
+    for t in tensors(kept):
+        tracker.add(t)
+    with tracker:
+        kept = one_step()
+    del kept
+    return tracker.peak
