@@ -183,6 +183,9 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
             f"cannot join the process group at {facts.master_addr}:{facts.master_port} as"
             f" {facts.describe()}: {first}"
         ) from exc
+    from devicekit.parallel import collective_log  # under devicekit run / dk.launch: recorded
+
+    collective_log.start_from_environment(facts.rank, (span or tdist.default_pg_timeout).total_seconds())
     return dev
 
 
