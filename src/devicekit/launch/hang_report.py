@@ -26,11 +26,12 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from devicekit.parallel.collective_log import HANG_DIR_ENV, REQUEST_FILE
 
-__all__ = ["HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
+__all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
            "DEFAULT_HANG_TIMEOUT", "HANG_EXIT_CODE", "diagnose"]
 
 #: seconds without progress (while a rank waits in a collective) before a job counts as hung
@@ -60,6 +61,11 @@ def _load(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def ranks_of(world: int | Sequence[int]) -> list[int]:
+    """The ranks to watch: ``range(world)`` for a count, else the list itself."""
+    return list(range(world)) if isinstance(world, int) else sorted(world)
+
+
 def _inert(text: object, limit: int = 200) -> str:
     """Text from a rank's file, safe to print: no control characters, bounded."""
     clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
@@ -69,16 +75,16 @@ def _inert(text: object, limit: int = 200) -> str:
 class HangWatch:
     """No-progress clock over the ranks' progress files."""
 
-    def __init__(self, directory: str, world_size: int, hang_timeout: float) -> None:
+    def __init__(self, directory: str, world_size: int | Sequence[int], hang_timeout: float) -> None:
         self.directory = directory
-        self.world_size = world_size
+        self.ranks = ranks_of(world_size)
         self.hang_timeout = hang_timeout
         self.marks: dict[int, str] = {}
         self.changed = time.monotonic()
 
     def progress(self) -> dict[int, dict[str, Any]]:
         found = {}
-        for rank in range(self.world_size):
+        for rank in self.ranks:
             data = _load(os.path.join(self.directory, f"rank{rank}.progress"))
             if data is not None:
                 found[rank] = data
@@ -103,15 +109,16 @@ class HangWatch:
             return False
         waiting = any(p.get("state") == "started" for p in progress.values())
         seqs = {p.get("torch_seq") for p in progress.values()}
-        return waiting or len(seqs) > 1 or len(progress) < self.world_size
+        return waiting or len(seqs) > 1 or len(progress) < len(self.ranks)
 
 
-def collect(directory: str, world_size: int, wait: float = 5.0) -> dict[int, dict[str, Any]]:
+def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) -> dict[int, dict[str, Any]]:
     """Ask every rank for its record and stack; what answered within ``wait`` seconds.
 
     A rank that does not answer (exited, or the probe never started) is represented by its
     last progress file, marked ``"answered": False``.
     """
+    ranks = ranks_of(world_size)
     request = str(int(time.time() * 1000))
     tmp = os.path.join(directory, REQUEST_FILE + ".tmp")
     with open(tmp, "w") as handle:
@@ -120,7 +127,7 @@ def collect(directory: str, world_size: int, wait: float = 5.0) -> dict[int, dic
     deadline = time.monotonic() + wait
     answers: dict[int, dict[str, Any]] = {}
     while True:
-        for rank in range(world_size):
+        for rank in ranks:
             if rank in answers:
                 continue
             data = _load(os.path.join(directory, f"rank{rank}.json"))
@@ -128,10 +135,10 @@ def collect(directory: str, world_size: int, wait: float = 5.0) -> dict[int, dic
                 data["answered"] = True
                 data["stack_text"] = _read(os.path.join(directory, f"rank{rank}.stack"))
                 answers[rank] = data
-        if len(answers) == world_size or time.monotonic() >= deadline:
+        if len(answers) == len(ranks) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    for rank in range(world_size):
+    for rank in ranks:
         if rank not in answers:
             progress = _load(os.path.join(directory, f"rank{rank}.progress")) or {}
             answers[rank] = {"rank": rank, "answered": False, "progress": progress}
@@ -192,14 +199,16 @@ def _describe(entry: dict[str, Any]) -> str:
     return f"{text} at {_inert(where)}"
 
 
-def analyse(answers: dict[int, dict[str, Any]], world_size: int, who: str = "devicekit run") -> HangReport:
+def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
+            who: str = "devicekit run") -> HangReport:
     """One report from every rank's answer: who waits where, who never came, who disagrees."""
     report = HangReport(answered=any(a.get("answered") for a in answers.values()))
     say = report.lines.append
     waiting: dict[int, dict[str, Any]] = {}
     elsewhere: dict[int, str] = {}
     silent: list[int] = []
-    for rank in range(world_size):
+    ranks = ranks_of(world_size)
+    for rank in ranks:
         answer = answers.get(rank, {"answered": False})
         if not answer.get("answered"):
             silent.append(rank)
@@ -209,8 +218,8 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int, who: str = "dev
             waiting[rank] = entry
         else:
             elsewhere[rank] = _user_frame(answer.get("main_stack") or [])
-    say(f"{who}: hang report ({world_size} ranks)")
-    for rank in range(world_size):
+    say(f"{who}: hang report ({len(ranks)} ranks)")
+    for rank in ranks:
         answer = answers.get(rank, {})
         if rank in waiting:
             say(f"  rank {rank}: waits in {_describe(waiting[rank])}")
@@ -266,7 +275,7 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int, who: str = "dev
     return report
 
 
-def diagnose(directory: str, world_size: int, who: str = "devicekit run",
+def diagnose(directory: str, world_size: int | Sequence[int], who: str = "devicekit run",
              wait: float = 5.0) -> HangReport:
     """:func:`collect` then :func:`analyse`; the answers are kept on ``report.answers``."""
     answers = collect(directory, world_size, wait)

@@ -47,6 +47,9 @@ class RunRequest:
     standalone: bool = False
     max_restarts: int | None = None
     log_dir: str | None = None
+    #: seconds without progress while a rank waits in a collective before the job is stopped
+    #: as hung (a report names the rank); None or 0: never
+    hang_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         if self.nnodes is not None:
@@ -65,6 +68,10 @@ class RunPlan:
     env: dict[str, str]
     allocation: Allocation
     notes: list[str]
+    #: the hang doctor's timeout (torchrun jobs); None: off
+    hang_timeout: float | None = None
+    #: ``--log-dir``: where a hang report is saved
+    log_dir: str | None = None
 
     @property
     def distributed(self) -> bool:

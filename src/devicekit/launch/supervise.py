@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
+from devicekit.launch.run_doctor import HANG_EXIT_CODE, RunDoctor
 
 if TYPE_CHECKING:
     from devicekit.launch.request import RunPlan
@@ -39,6 +40,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def execute(plan: RunPlan) -> int:
     """Start the plan's command, forward signals to its process group, wait; its exit code."""
+    doctor = RunDoctor.for_plan(plan)  # torchrun jobs: a hang is reported and stopped
     try:
         child = subprocess.Popen(
             plan.argv,
@@ -74,12 +76,17 @@ def execute(plan: RunPlan) -> int:
                 ticks += 1
                 if ticks % 5 == 1:
                     family.update()
+                if doctor is not None and not forwarded and doctor.hung():
+                    doctor.report_and_stop(child.pid)
+                    forwarded.append(time.monotonic())
                 if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
     _reap_group(child.pid)
     family.stop_survivors()
+    if doctor is not None and doctor.close():
+        return HANG_EXIT_CODE
     if code < 0:
         return 128 - code
     if signals and code != 0 and plan.distributed:
