@@ -141,7 +141,9 @@ def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) 
     for rank in ranks:
         if rank not in answers:
             progress = _load(os.path.join(directory, f"rank{rank}.progress")) or {}
-            answers[rank] = {"rank": rank, "answered": False, "progress": progress}
+            last = _load(os.path.join(directory, f"rank{rank}.last"))
+            answers[rank] = {"rank": rank, "answered": False, "progress": progress,
+                             "records": [last] if last else []}
     return answers
 
 
@@ -153,6 +155,8 @@ class HangReport:
     culprits: list[int] = field(default_factory=list)
     #: True when at least one rank answered (a report from progress files alone says little)
     answered: bool = False
+    #: one line per sequence number at which ranks call different collectives or shapes
+    mismatches: list[str] = field(default_factory=list)
     #: every rank's answer, as :func:`collect` gave it
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -180,6 +184,14 @@ def _in_collective(answer: dict[str, Any]) -> dict[str, Any] | None:
     last = records[-1] if records else None
     stack = answer.get("main_stack") or []
     in_torch = any("torch/distributed" in str(frame[0]).replace("\\", "/") for frame in stack[-8:])
+    flight = (answer.get("flight_recorder") or {}).get("last") or {}
+    if flight.get("profiling_name") and flight.get("retired") is False:
+        # torch's own record (DDP's bucket all-reduces included), numbered by torch's sequence
+        op = str(flight["profiling_name"]).split(":")[-1]
+        where = last.get("where") if last is not None and last.get("state") == "started" else None
+        return {"op": op, "seq": flight.get("collective_seq_id"), "shapes": flight.get("input_sizes") or [],
+                "dtypes": [str(d).lower() for d in flight.get("input_dtypes") or []],
+                "where": where or _user_frame(stack)}
     if last is not None and last.get("state") == "started":
         return last
     if in_torch:  # e.g. DDP's all-reduce inside backward(), not called from Python
@@ -207,11 +219,15 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
     waiting: dict[int, dict[str, Any]] = {}
     elsewhere: dict[int, str] = {}
     silent: list[int] = []
+    died_in: dict[int, dict[str, Any]] = {}  # silent ranks whose last collective never returned
     ranks = ranks_of(world_size)
     for rank in ranks:
         answer = answers.get(rank, {"answered": False})
         if not answer.get("answered"):
             silent.append(rank)
+            records = answer.get("records") or []
+            if records and records[-1].get("state") == "started":
+                died_in[rank] = records[-1]
             continue
         entry = _in_collective(answer)
         if entry is not None:
@@ -227,15 +243,16 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
             records = answer.get("records") or []
             done = f"; last collective: {_describe(records[-1])}" if records else "; no collective yet"
             say(f"  rank {rank}: not in a collective; now at {elsewhere[rank]}{done}")
+        elif rank in died_in:
+            say(f"  rank {rank}: did not answer (exited or died) inside {_describe(died_in[rank])}")
         else:
-            progress = answer.get("progress") or {}
-            seq = progress.get("seq")
-            last = f" (its last recorded collective: seq {seq})" if seq else ""
+            records = answer.get("records") or []
+            last = f"; its last collective: {_describe(records[-1])}" if records else ""
             say(f"  rank {rank}: did not answer: exited, or it does not record"
                 f" (its script does not call dk.dist.init){last}")
     # mismatches among the waiting ranks: same seq, different op or shapes
     by_seq: dict[Any, dict[int, dict[str, Any]]] = {}
-    for rank, entry in waiting.items():
+    for rank, entry in {**waiting, **died_in}.items():
         by_seq.setdefault(entry.get("seq"), {})[rank] = entry
     mismatched: list[int] = []
     for seq, group in by_seq.items():
@@ -245,6 +262,7 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
         parts = " vs ".join(f"rank {r} {_inert(e.get('op'))} {_inert(e.get('shapes'))}"
                             for r, e in sorted(group.items()))
         say(f"  mismatch at seq {seq}: {parts}")
+        report.mismatches.append(f"mismatch at seq {seq}: {parts}")
         mismatched.extend(_minority(group))
     seqs = sorted({e.get("seq") for e in waiting.values() if e.get("seq") is not None})
     if len(seqs) > 1:
@@ -258,20 +276,21 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
                + (f" seq {first.get('seq')}" if first.get("seq") is not None else "")
                + f" that rank(s) {sorted(waiting)} wait in; it is at "
                + ", ".join(elsewhere[r] for r in report.culprits))
+    elif mismatched:
+        report.culprits = sorted(set(mismatched))
+        why = ("their collectives differ at the same sequence number" if len(report.culprits) > 1
+               else "its collective differs from its peers' at the same sequence number")
     elif silent and waiting:
         report.culprits = silent
         why = f"it did not answer while rank(s) {sorted(waiting)} wait in a collective"
-    elif mismatched:
-        report.culprits = sorted(set(mismatched))
-        why = "its collective differs from its peers' at the same sequence number"
     elif len(seqs) > 1:
         report.culprits = sorted(r for r, e in waiting.items() if e.get("seq") == seqs[0])
         why = "it is behind its peers by at least one collective"
     else:
         report.culprits = sorted(elsewhere) or silent or sorted(waiting)
         why = "no rank waits in a collective: the whole job stopped making progress"
-    names = ", ".join(str(r) for r in report.culprits)
-    say(f"{who}: look at rank {names}: {why}")
+    names = " and ".join(str(r) for r in report.culprits)
+    say(f"{who}: look at rank{'s' if len(report.culprits) > 1 else ''} {names}: {why}")
     return report
 
 

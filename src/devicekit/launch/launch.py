@@ -308,6 +308,9 @@ class _Job:
 
         rank = min(self.failures, key=order)
         _, message, text = self.failures[rank]
+        if self.backend is not None:  # e.g. gloo aborts a rank on a shape mismatch: say so
+            mismatches = diagnose(self.hang_dir, self.world, "dk.launch", wait=2.0).mismatches
+            message += "".join(f"; {line}" for line in mismatches)
         raise RankFailedError(message, rank, text)
 
     def reap(self, rank: int, open_conns: dict[Any, int]) -> None:
@@ -331,7 +334,8 @@ class _Job:
                                 " returning", "")
 
     def hang(self, started: bool, stalled: bool = False) -> None:
-        report = diagnose(self.hang_dir, self.world, "dk.launch") if self.backend else None
+        # the ranks' own answer first (their collectives, where each one is), then the stacks
+        report = diagnose(self.hang_dir, self.world, "dk.launch") if self.backend and started else None
         stuck = [rank for rank in range(self.world) if rank not in self.results]
         if not started:
             stuck = [rank for rank in stuck if rank not in self.ready] or stuck
@@ -349,21 +353,22 @@ class _Job:
             stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
         waiting = [r for r in stuck if "torch/distributed" in stacks[r]]
         culprits = [r for r in stuck if r not in waiting] or stuck
+        if report is not None and report.answered:
+            culprits = report.culprits
         detail = ""
         if waiting and culprits != stuck:
             detail = f"; ranks {waiting} wait in a collective for rank(s) {culprits}"
-        where = "".join(
-            f"; rank {r} at {_innermost_frame(stacks[r])}" for r in culprits if _innermost_frame(stacks[r])
-        )
+        where = "".join(f"; rank {r} at {_innermost_frame(stacks.get(r, ''))}"
+                        for r in culprits if _innermost_frame(stacks.get(r, "")))
         what = f"did not finish within {self.timeout:g} s" if started else (
             f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s")
         if stalled and self.watch is not None:
             what = f"made no progress for {self.watch.limit(self.watch.progress()):g} s"
         if report is not None and report.answered:
-            culprits = report.culprits
-            message = (f"rank(s) {culprits} {what}: {report.lines[-1].split(': ', 1)[-1]};"
-                       " the report is in RankHangError.report, stacks in .stacks")
-            raise RankHangError(message, culprits, stacks, report.text)
+            verdict = report.lines[-1].split(": ", 1)[-1]
+            raise RankHangError(f"rank(s) {culprits} {what}{where}; {verdict}; the report is in"
+                                " RankHangError.report, stacks in .stacks", culprits, stacks,
+                                report.text)
         message = (
             f"rank(s) {culprits} {what}{where}{detail};"
             " their Python stacks are in RankHangError.stacks"

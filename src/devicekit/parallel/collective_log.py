@@ -57,6 +57,10 @@ class _State:
         self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP)
         self.seq: dict[str, int] = {}
         self.lock = threading.Lock()
+        #: rank<R>.last: the collective this rank entered last, rewritten in place (pwrite) on
+        #: every call, so that it survives the rank (a post-mortem for ranks that died in it)
+        self.last_fd = os.open(os.path.join(directory, f"rank{rank}.last"),
+                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
 
 _state: _State | None = None
@@ -112,12 +116,25 @@ def _recording(name: str, original: Any) -> Any:
         entry = _entry(state, name, args, kwargs)
         with state.lock:
             state.entries.append(entry)
+        _publish(state, entry)
         result = original(*args, **kwargs)
         entry["state"] = "issued" if kwargs.get("async_op") or name in ("isend", "irecv") else "completed"
         return result
 
     wrapper._devicekit_recorded = True  # type: ignore[attr-defined]
     return wrapper
+
+
+#: bytes of rank<R>.last: one entry, padded, so each rewrite covers the previous one
+LAST_BYTES = 1024
+
+
+def _publish(state: _State, entry: dict[str, Any]) -> None:
+    data = json.dumps(entry).encode()[: LAST_BYTES - 1]
+    try:
+        os.pwrite(state.last_fd, data + b" " * (LAST_BYTES - len(data)), 0)
+    except OSError:
+        pass
 
 
 def _entry(state: _State, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
