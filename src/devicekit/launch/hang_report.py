@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from devicekit.parallel.collective_log import HANG_DIR_ENV, REQUEST_FILE
