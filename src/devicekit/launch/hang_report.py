@@ -38,6 +38,8 @@ __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", 
 DEFAULT_HANG_TIMEOUT = 600.0
 #: ``devicekit run``'s exit code when it stopped a hung job (as timeout(1))
 HANG_EXIT_CODE = 124
+#: torch Flight Recorder entries kept per rank (its dump is read only when a job hangs)
+FLIGHT_RECORDER_ENTRIES = "256"
 #: the most read of any file a rank wrote
 _MAX_BYTES = 1 << 20
 
@@ -107,8 +109,12 @@ class HangWatch:
             return False
         if not progress or now - self.changed < self.limit(progress):
             return False
-        waiting = any(p.get("state") == "started" for p in progress.values())
-        seqs = {p.get("torch_seq") for p in progress.values()}
+        # a rank whose Python code has finished (exiting) neither waits nor is behind
+        live = [p for p in progress.values() if p.get("state") != "exiting"]
+        if not live:
+            return False
+        waiting = any(p.get("state") == "started" for p in live)
+        seqs = {p.get("torch_seq") for p in live}
         return waiting or len(seqs) > 1 or len(progress) < len(self.ranks)
 
 
@@ -133,6 +139,7 @@ def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) 
             data = _load(os.path.join(directory, f"rank{rank}.json"))
             if data is not None and str(data.get("request")) == request:
                 data["answered"] = True
+                data["progress"] = _load(os.path.join(directory, f"rank{rank}.progress")) or {}
                 data["stack_text"] = _read(os.path.join(directory, f"rank{rank}.stack"))
                 answers[rank] = data
         if len(answers) == len(ranks) or time.monotonic() >= deadline:
@@ -190,7 +197,7 @@ def _in_collective(answer: dict[str, Any]) -> dict[str, Any] | None:
         op = str(flight["profiling_name"]).split(":")[-1]
         where = last.get("where") if last is not None and last.get("state") == "started" else None
         return {"op": op, "seq": flight.get("collective_seq_id"), "shapes": flight.get("input_sizes") or [],
-                "dtypes": [str(d).lower() for d in flight.get("input_dtypes") or []],
+                "dtypes": [_DTYPES.get(str(d), str(d).lower()) for d in flight.get("input_dtypes") or []],
                 "where": where or _user_frame(stack)}
     if last is not None and last.get("state") == "started":
         return last
@@ -198,6 +205,24 @@ def _in_collective(answer: dict[str, Any]) -> dict[str, Any] | None:
         return {"op": "a collective inside torch (e.g. DDP's gradient all-reduce)",
                 "seq": None, "where": _user_frame(stack), "shapes": [], "dtypes": []}
     return None
+
+
+#: torch's scalar type names (the Flight Recorder's) as Python spells the dtypes
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+           "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
+           "Bool": "bool"}
+
+
+def _last_done(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """A rank's last collective, numbered as torch numbers it where the Flight Recorder is on."""
+    records = answer.get("records") or []
+    flight = (answer.get("flight_recorder") or {}).get("last") or {}
+    if flight.get("profiling_name"):
+        where = records[-1].get("where") if records else None
+        return {"op": str(flight["profiling_name"]).split(":")[-1], "seq": flight.get("collective_seq_id"),
+                "shapes": flight.get("input_sizes") or [], "where": where or "?",
+                "dtypes": [_DTYPES.get(str(d), str(d).lower()) for d in flight.get("input_dtypes") or []]}
+    return records[-1] if records else None
 
 
 def _describe(entry: dict[str, Any]) -> str:
@@ -220,9 +245,13 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
     elsewhere: dict[int, str] = {}
     silent: list[int] = []
     died_in: dict[int, dict[str, Any]] = {}  # silent ranks whose last collective never returned
+    finished: list[int] = []  # ranks whose Python code has finished
     ranks = ranks_of(world_size)
     for rank in ranks:
         answer = answers.get(rank, {"answered": False})
+        if (answer.get("progress") or {}).get("state") == "exiting":
+            finished.append(rank)
+            continue
         if not answer.get("answered"):
             silent.append(rank)
             records = answer.get("records") or []
@@ -240,9 +269,13 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
         if rank in waiting:
             say(f"  rank {rank}: waits in {_describe(waiting[rank])}")
         elif rank in elsewhere:
-            records = answer.get("records") or []
-            done = f"; last collective: {_describe(records[-1])}" if records else "; no collective yet"
+            previous = _last_done(answer)
+            done = f"; last collective: {_describe(previous)}" if previous else "; no collective yet"
             say(f"  rank {rank}: not in a collective; now at {elsewhere[rank]}{done}")
+        elif rank in finished:
+            records = answer.get("records") or []
+            last = f"; its last collective: {_describe(records[-1])}" if records else ""
+            say(f"  rank {rank}: its Python code has finished (exiting or exited){last}")
         elif rank in died_in:
             say(f"  rank {rank}: did not answer (exited or died) inside {_describe(died_in[rank])}")
         else:
@@ -283,6 +316,10 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
     elif silent and waiting:
         report.culprits = silent
         why = f"it did not answer while rank(s) {sorted(waiting)} wait in a collective"
+    elif finished and waiting:
+        report.culprits = finished
+        why = (f"its Python code finished while rank(s) {sorted(waiting)} still wait in a"
+               " collective (it made fewer collectives)")
     elif len(seqs) > 1:
         report.culprits = sorted(r for r, e in waiting.items() if e.get("seq") == seqs[0])
         why = "it is behind its peers by at least one collective"

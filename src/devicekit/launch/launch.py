@@ -45,7 +45,13 @@ from typing import Any
 
 from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, RankHangError
 from devicekit.launch.allocation import Allocation, devices_mode, plan_processes, positive_count
-from devicekit.launch.hang_report import DEFAULT_HANG_TIMEOUT, HANG_DIR_ENV, HangWatch, diagnose
+from devicekit.launch.hang_report import (
+    DEFAULT_HANG_TIMEOUT,
+    FLIGHT_RECORDER_ENTRIES,
+    HANG_DIR_ENV,
+    HangWatch,
+    diagnose,
+)
 from devicekit.launch.rank_process import STACK_SIGNAL, rank_main
 from devicekit.launch.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
@@ -174,8 +180,10 @@ class _Job:
             env[OWN_DEVICES_ENV] = "1"
         elif self.hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        if self.backend is not None:
+        if self.backend is not None:  # the ranks record their collectives (dk.dist.init)
             env[HANG_DIR_ENV] = self.hang_dir
+            if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+                env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
         if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(omp_threads(self.world))
         return env
@@ -360,10 +368,12 @@ class _Job:
             detail = f"; ranks {waiting} wait in a collective for rank(s) {culprits}"
         where = "".join(f"; rank {r} at {_innermost_frame(stacks.get(r, ''))}"
                         for r in culprits if _innermost_frame(stacks.get(r, "")))
-        what = f"did not finish within {self.timeout:g} s" if started else (
-            f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s")
         if stalled and self.watch is not None:
             what = f"made no progress for {self.watch.limit(self.watch.progress()):g} s"
+        elif started:
+            what = f"did not finish within {self.timeout:g} s"
+        else:
+            what = f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s"
         if report is not None and report.answered:
             verdict = report.lines[-1].split(": ", 1)[-1]
             raise RankHangError(f"rank(s) {culprits} {what}{where}; {verdict}; the report is in"

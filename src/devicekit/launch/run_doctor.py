@@ -27,16 +27,19 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from devicekit.launch.hang_report import HANG_DIR_ENV, HANG_EXIT_CODE, HangWatch, diagnose, save
+from devicekit.launch.hang_report import (
+    FLIGHT_RECORDER_ENTRIES,
+    HANG_DIR_ENV,
+    HANG_EXIT_CODE,
+    HangWatch,
+    diagnose,
+    save,
+)
 
 if TYPE_CHECKING:
     from devicekit.launch.request import RunPlan
 
 __all__ = ["RunDoctor", "HANG_EXIT_CODE", "FLIGHT_RECORDER_ENTRIES"]
-
-#: torch Flight Recorder entries kept per rank (its dump is read only when a job hangs)
-FLIGHT_RECORDER_ENTRIES = "256"
-
 
 class RunDoctor:
     """The hang watch of one ``devicekit run`` job (this node's ranks)."""

@@ -18,6 +18,7 @@ Usage (what ``dk.dist.init`` does; users do not call it)::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import faulthandler
 import functools
@@ -64,6 +65,7 @@ class _State:
 
 
 _state: _State | None = None
+_exited: list[bool] = []
 
 
 def start_from_environment(rank: int, timeout: float | None = None) -> bool:
@@ -95,6 +97,7 @@ def start(directory: str, rank: int, timeout: float | None = None) -> None:
         if getattr(tdist, name, None) is original:
             setattr(tdist, name, wrapped)
     _write(os.path.join(directory, f"rank{rank}.pid"), f"{os.getpid()}\n")
+    atexit.register(_exiting, _state)
     threading.Thread(target=_answer, args=(_state,), name="devicekit-hang-probe",
                      daemon=True).start()
 
@@ -216,6 +219,19 @@ def _flight_recorder() -> dict[str, Any] | None:
                                                      "input_sizes", "input_dtypes", "retired")}}
 
 
+def _exiting(state: _State) -> None:
+    """At interpreter exit (the rank's Python code is done): say so, so that a slow exit is not
+    taken for a hang and an abort in torch's teardown can be told from a failure."""
+    _exited.append(True)  # the probe thread must not overwrite "exiting" afterwards
+    last = state.entries[-1] if state.entries else {}
+    try:
+        _write(os.path.join(state.directory, f"rank{state.rank}.progress"),
+               json.dumps({"torch_seq": _progress(), "seq": last.get("seq", 0), "state": "exiting",
+                           "op": last.get("op"), "timeout": state.timeout}))
+    except OSError:
+        pass
+
+
 def _answer(state: _State) -> None:
     request_path = os.path.join(state.directory, REQUEST_FILE)
     progress_path = os.path.join(state.directory, f"rank{state.rank}.progress")
@@ -225,7 +241,7 @@ def _answer(state: _State) -> None:
         try:
             mark = (_progress(), len(state.entries) and state.entries[-1]["seq"],
                     len(state.entries) and state.entries[-1]["state"])
-            if mark != last:
+            if mark != last and not _exited:
                 last = mark
                 _write(progress_path, json.dumps({"torch_seq": mark[0], "seq": mark[1],
                                                   "state": mark[2], "timeout": state.timeout}))
