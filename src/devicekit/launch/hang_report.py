@@ -32,7 +32,8 @@ from typing import Any
 from devicekit.parallel.collective_log import HANG_DIR_ENV, REQUEST_FILE
 
 __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
-           "DEFAULT_HANG_TIMEOUT", "HANG_EXIT_CODE", "diagnose"]
+           "DEFAULT_HANG_TIMEOUT", "HANG_EXIT_CODE", "diagnose",
+           "finished_state"]
 
 #: seconds without progress (while a rank waits in a collective) before a job counts as hung
 DEFAULT_HANG_TIMEOUT = 600.0
@@ -116,6 +117,12 @@ class HangWatch:
         waiting = any(p.get("state") == "started" for p in live)
         seqs = {p.get("torch_seq") for p in live}
         return waiting or len(seqs) > 1 or len(progress) < len(self.ranks)
+
+
+def finished_state(directory: str, rank: int) -> dict[str, Any] | None:
+    """What ``rank`` wrote when its Python code finished (state "exiting"), or None."""
+    progress = _load(os.path.join(directory, f"rank{rank}.progress"))
+    return progress if progress is not None and progress.get("state") == "exiting" else None
 
 
 def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) -> dict[int, dict[str, Any]]:
