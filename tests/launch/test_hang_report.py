@@ -100,3 +100,35 @@ def test_collect_falls_back_to_what_a_silent_rank_left(tmp_path: Path) -> None:
     answers = collect(str(tmp_path), 2, wait=0.2)
     assert answers[0] == {"rank": 0, "answered": False, "progress": {}, "records": []}
     assert answers[1]["records"][0]["op"] == "broadcast"
+
+
+def test_a_rank_killed_after_its_python_code_finished_is_said_plainly(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    from devicekit.launch.torchrun_entry import finished_note
+
+    monkeypatch.setenv("DEVICEKIT_HANG_DIR", str(tmp_path))
+    _progress(tmp_path, 1, torch_seq=4, seq=4, state="exiting", op="all_reduce", timeout=60)
+    _progress(tmp_path, 0, torch_seq=4, seq=4, state="started", timeout=60)
+    note = finished_note(1, -6)
+    assert note.startswith("rank 1 had finished its Python code, after its last collective"
+                           " (seq 4, all_reduce): it was killed in torch's teardown")
+    assert finished_note(0, -6) == ""  # still inside a collective: not "after its work"
+    assert finished_note(1, 1) == ""  # an exit code, not a signal
+
+
+def test_watch_ignores_ranks_whose_python_code_finished(tmp_path: Path) -> None:
+    watch = HangWatch(str(tmp_path), 2, hang_timeout=0.2)
+    _progress(tmp_path, 0, torch_seq=6, seq=6, state="exiting", timeout=60)
+    _progress(tmp_path, 1, torch_seq=6, seq=6, state="exiting", timeout=60)
+    watch.hung()
+    time.sleep(0.3)
+    assert not watch.hung()  # a slow exit is not a hang
+    _progress(tmp_path, 0, torch_seq=7, seq=7, state="started", timeout=60)
+    watch.hung()
+    time.sleep(0.3)
+    assert watch.hung()  # rank 0 waits for rank 1, which has finished: a hang
+    finished = {"answered": False, "progress": {"state": "exiting"},
+                "records": [{"seq": 6, "op": "all_reduce", "state": "completed", "where": "t.py:5"}]}
+    report = analyse({0: waiting(7), 1: finished}, 2)
+    assert report.culprits == [1]
+    assert "rank 1: its Python code has finished" in report.text

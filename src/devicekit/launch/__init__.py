@@ -21,3 +21,21 @@ Usage::
     plan = plan_run(RunRequest(procs=2, command=["python", "x.py"]))  # leases, starts nothing
     plan.allocation.release()
 """
+
+import sys as _sys
+import types as _types
+from typing import Any as _Any
+
+
+class _LaunchPackage(_types.ModuleType):
+    """This package, callable as ``dk.launch``: importing ``devicekit.launch.<module>`` sets the
+    package as ``devicekit.launch``, over the lazily exported function of the same name, and
+    ``dk.launch(fn, ...)`` must keep working after any such import."""
+
+    def __call__(self, *args: _Any, **kwargs: _Any) -> _Any:
+        from devicekit.launch.launch import launch
+
+        return launch(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _LaunchPackage

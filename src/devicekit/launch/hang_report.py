@@ -122,7 +122,12 @@ class HangWatch:
 def finished_state(directory: str, rank: int) -> dict[str, Any] | None:
     """What ``rank`` wrote when its Python code finished (state "exiting"), or None."""
     progress = _load(os.path.join(directory, f"rank{rank}.progress"))
-    return progress if progress is not None and progress.get("state") == "exiting" else None
+    return progress if progress is not None and _finished_cleanly(progress) else None
+
+
+def _finished_cleanly(progress: dict[str, Any]) -> bool:
+    """The rank's Python code ended without an error (it wrote "exiting", clean, at exit)."""
+    return progress.get("state") == "exiting" and progress.get("clean", True) is True
 
 
 def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) -> dict[int, dict[str, Any]]:
@@ -198,7 +203,8 @@ def _in_collective(answer: dict[str, Any]) -> dict[str, Any] | None:
     last = records[-1] if records else None
     stack = answer.get("main_stack") or []
     in_torch = any("torch/distributed" in str(frame[0]).replace("\\", "/") for frame in stack[-8:])
-    flight = (answer.get("flight_recorder") or {}).get("last") or {}
+    recorder = answer.get("flight_recorder") or {}
+    flight = recorder.get("pending") or recorder.get("last") or {}
     if flight.get("profiling_name") and flight.get("retired") is False:
         # torch's own record (DDP's bucket all-reduces included), numbered by torch's sequence
         op = str(flight["profiling_name"]).split(":")[-1]
@@ -256,7 +262,7 @@ def analyse(answers: dict[int, dict[str, Any]], world_size: int | Sequence[int],
     ranks = ranks_of(world_size)
     for rank in ranks:
         answer = answers.get(rank, {"answered": False})
-        if (answer.get("progress") or {}).get("state") == "exiting":
+        if _finished_cleanly(answer.get("progress") or {}):
             finished.append(rank)
             continue
         if not answer.get("answered"):

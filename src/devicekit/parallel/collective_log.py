@@ -214,9 +214,13 @@ def _flight_recorder() -> dict[str, Any] | None:
         return None
     entries = data.get("entries") or []
     last = entries[-1] if entries else {}
+    # the oldest collective not finished: on NCCL the Python call returns at once and the rank
+    # runs ahead, so the collective it waits for is this one, not the last it issued
+    pending = next((entry for entry in entries if entry.get("retired") is False), None)
+    keys = ("profiling_name", "collective_seq_id", "input_sizes", "input_dtypes", "retired")
     return {"pg_status": data.get("pg_status", {}),
-            "last": {key: last.get(key) for key in ("profiling_name", "collective_seq_id",
-                                                     "input_sizes", "input_dtypes", "retired")}}
+            "last": {key: last.get(key) for key in keys},
+            "pending": {key: pending.get(key) for key in keys} if pending else None}
 
 
 def _exiting(state: _State) -> None:
@@ -227,7 +231,9 @@ def _exiting(state: _State) -> None:
     try:
         _write(os.path.join(state.directory, f"rank{state.rank}.progress"),
                json.dumps({"torch_seq": _progress(), "seq": last.get("seq", 0), "state": "exiting",
-                           "op": last.get("op"), "timeout": state.timeout}))
+                           "op": last.get("op"), "timeout": state.timeout,
+                           # clean: no unhandled exception, and not left from inside a collective
+                           "clean": not hasattr(sys, "last_value") and last.get("state") != "started"}))
     except OSError:
         pass
 
