@@ -111,17 +111,16 @@ def records() -> list[dict[str, Any]]:
 
 
 def _recording(name: str, original: Any) -> Any:
+    done = "issued" if name in ("isend", "irecv") else "completed"
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         state = _state
         if state is None:
             return original(*args, **kwargs)
         entry = _entry(state, name, args, kwargs)
-        with state.lock:
-            state.entries.append(entry)
-        _publish(state, entry)
         result = original(*args, **kwargs)
-        entry["state"] = "issued" if kwargs.get("async_op") or name in ("isend", "irecv") else "completed"
+        entry["state"] = "issued" if kwargs.get("async_op") else done
         return result
 
     wrapper._devicekit_recorded = True  # type: ignore[attr-defined]
@@ -129,44 +128,58 @@ def _recording(name: str, original: Any) -> Any:
 
 
 #: bytes of rank<R>.last: one entry, padded, so each rewrite covers the previous one
-LAST_BYTES = 1024
-
-
-def _publish(state: _State, entry: dict[str, Any]) -> None:
-    data = json.dumps(entry).encode()[: LAST_BYTES - 1]
-    try:
-        os.pwrite(state.last_fd, data + b" " * (LAST_BYTES - len(data)), 0)
-    except OSError:
-        pass
+LAST_BYTES = 512
+#: JSON text of each call site seen, so a call costs no JSON encoding of its file name
+_quoted: dict[tuple[str, int], str] = {}
+_dtype_names: dict[Any, str] = {}
 
 
 def _entry(state: _State, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Record the collective being entered, in memory and in ``rank<R>.last`` (one pwrite)."""
     group = kwargs.get("group")
     key = "default" if group is None else f"group{id(group):x}"
+    shapes: list[list[int]] = []
+    dtypes: list[str] = []
+    for value in (*args[:2], kwargs.get("tensor"), kwargs.get("input_tensor")):
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            dtype = getattr(tensor, "dtype", None)
+            if dtype is not None and hasattr(tensor, "shape") and len(shapes) < 4:
+                shapes.append(list(tensor.shape))
+                label = _dtype_names.get(dtype)
+                if label is None:
+                    label = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+                dtypes.append(label)
+    filename, line = _caller()
+    where = _quoted.get((filename, line))
+    if where is None:
+        where = _quoted[(filename, line)] = json.dumps(f"{filename}:{line}")
     with state.lock:
         seq = state.seq.get(key, 0) + 1
         state.seq[key] = seq
-    shapes: list[list[int]] = []
-    dtypes: list[str] = []
-    for value in list(args[:2]) + [kwargs.get("tensor"), kwargs.get("input_tensor")]:
-        for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            if hasattr(tensor, "shape") and hasattr(tensor, "dtype"):
-                shapes.append(list(tensor.shape))
-                dtypes.append(str(tensor.dtype).replace("torch.", ""))
-    return {"seq": seq, "op": name, "group": key, "shapes": shapes[:4], "dtypes": dtypes[:4],
-            "where": _caller(), "state": "started", "time": time.time()}
+        entry = {"seq": seq, "op": name, "group": key, "shapes": shapes, "dtypes": dtypes,
+                 "where": f"{filename}:{line}", "state": "started", "time": time.time()}
+        state.entries.append(entry)
+    # written by hand (op, group, dtypes are plain names; shapes lists of ints): no json.dumps
+    labels = ", ".join(f'"{label}"' for label in dtypes)
+    text = (f'{{"seq": {seq}, "op": "{name}", "group": "{key}", "shapes": {shapes},'
+            f' "dtypes": [{labels}], "where": {where}, "state": "started"}}')
+    data = text.encode()[: LAST_BYTES - 1]
+    try:
+        os.pwrite(state.last_fd, data.ljust(LAST_BYTES), 0)
+    except OSError:
+        pass
+    return entry
 
 
-def _caller() -> str:
-    """file:line of the first frame outside torch and devicekit's own wrappers."""
+def _caller() -> tuple[str, int]:
+    """(file, line) of the first frame outside torch and devicekit's own wrappers."""
     frame = sys._getframe(3)
     while frame is not None:
         filename = frame.f_code.co_filename
-        normal = filename.replace("\\", "/")
-        if "/torch/" not in normal and not filename.startswith(_HERE):
-            return f"{filename}:{frame.f_lineno}"
+        if "/torch/" not in filename and "\\torch\\" not in filename and not filename.startswith(_HERE):
+            return filename, frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+    return "?", 0
 
 
 def _progress() -> int:
