@@ -49,6 +49,8 @@ def execute(plan: RunPlan) -> int:
             preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
         )
     except OSError as exc:
+        if doctor is not None:
+            doctor.close()
         raise CommandNotFoundError(
             f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
         ) from None
