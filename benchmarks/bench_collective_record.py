@@ -59,7 +59,8 @@ dk.dist.destroy()
 """
 
 
-def job(script: Path, steps: int, recording: bool, workdir: Path, port: int) -> dict[str, float]:
+def job(script: Path, steps: int, recording: bool, workdir: Path, port: int,
+        flight_recorder: bool = True) -> dict[str, float]:
     out = workdir / f"out-{time.monotonic_ns()}.json"
     base = dict(os.environ)
     base["PYTHONPATH"] = str(SRC) + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
@@ -70,7 +71,9 @@ def job(script: Path, steps: int, recording: bool, workdir: Path, port: int) -> 
     record_dir = None
     if recording:
         record_dir = tempfile.mkdtemp(prefix="devicekit-hang-", dir=workdir)
-        base.update(DEVICEKIT_HANG_DIR=record_dir, TORCH_FR_BUFFER_SIZE="256")
+        base.update(DEVICEKIT_HANG_DIR=record_dir)
+        if flight_recorder:
+            base.update(TORCH_FR_BUFFER_SIZE="256")
     procs = [subprocess.Popen([sys.executable, str(script), str(out), str(steps)],
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(2)]
@@ -86,6 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=5, help="jobs of each kind (alternating)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--without-flight-recorder", action="store_true",
+                        help="'on' is devicekit's own record only (torch's Flight Recorder off)")
     args = parser.parse_args()
     from devicekit.launch.launch import free_port
 
@@ -97,7 +102,8 @@ def main() -> None:
         for i in range(args.jobs):
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
             for kind in order:
-                results[kind].append(job(script, args.steps, kind == "on", workdir, free_port()))
+                results[kind].append(job(script, args.steps, kind == "on", workdir, free_port(),
+                                         flight_recorder=not args.without_flight_recorder))
     medians = {kind: [r["median"] for r in rs] for kind, rs in results.items()}
     best = {kind: min(r["best"] for r in rs) for kind, rs in results.items()}
     off, on = statistics.median(medians["off"]), statistics.median(medians["on"])
@@ -105,7 +111,8 @@ def main() -> None:
           f" 2 gloo ranks, {args.steps} DDP steps + a loss all_reduce per step, {args.jobs} jobs each")
     print(f"median step, recording off (plain torch): {off * 1e3:.3f} ms  (jobs: "
           + ", ".join(f"{m * 1e3:.3f}" for m in medians["off"]) + ")")
-    print(f"median step, recording on (devicekit + Flight Recorder): {on * 1e3:.3f} ms  (jobs: "
+    what = "devicekit only" if args.without_flight_recorder else "devicekit + Flight Recorder"
+    print(f"median step, recording on ({what}): {on * 1e3:.3f} ms  (jobs: "
           + ", ".join(f"{m * 1e3:.3f}" for m in medians["on"]) + ")")
     print(f"ratio of medians on/off: {on / off:.3f}")
     print(f"best 10-step block: off {best['off'] * 1e3:.3f} ms, on {best['on'] * 1e3:.3f} ms;"

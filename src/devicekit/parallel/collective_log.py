@@ -38,7 +38,7 @@ REQUEST_FILE = "request"
 #: entries kept per rank
 KEEP = 64
 #: how often the rank's thread looks at its progress and at the request file
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.5
 
 #: collectives recorded: name -> (index of the tensor argument or None, async keyword)
 _OPS = (
