@@ -160,10 +160,17 @@ class RankFailedError(DistributedError):
 class RankHangError(DistributedError):
     """The hang watchdog fired: some rank made no progress within the timeout."""
 
-    def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str]) -> None:
+    def __init__(self, message: str, stuck_ranks: list[int], stacks: dict[int, str],
+                 report: str = "") -> None:
         super().__init__(message)
         self.stuck_ranks = stuck_ranks
         self.stacks = stacks
+        #: the hang doctor's report: who waits in which collective, who never came
+        self.report = report
+
+    def __str__(self) -> str:  # the first line stays the one-line message
+        base = super().__str__()
+        return f"{base}\n\n{self.report.rstrip()}" if self.report else base
 
 
 class BatchSizeError(DeviceKitError, RuntimeError):

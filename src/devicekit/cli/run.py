@@ -146,6 +146,11 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               default=None, help="Let torchrun restart the workers this many times.")
 @click.option("--log-dir", "--log_dir", "log_dir", metavar="DIR", default=None,
               help="torchrun writes each rank's stdout/stderr under DIR (and still shows it).")
+@click.option("--hang-timeout", "hang_timeout", type=click.FloatRange(min=0), metavar="SECONDS",
+              default=600.0, show_default=True,
+              help="With several processes: when no rank makes progress this long while one"
+                   " waits in a collective, print a report naming the rank to look at and stop"
+                   " the job (exit 124); 0: never.")
 @click.option("--dry-run", is_flag=True,
               help="Choose the GPUs and print the variables and command line it would start"
                    " (stdout), then release them; start nothing.")

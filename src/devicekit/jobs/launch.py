@@ -45,6 +45,13 @@ from typing import Any
 
 from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, RankHangError
 from devicekit.jobs.allocation import Allocation, devices_mode, plan_processes, positive_count
+from devicekit.jobs.hang_report import (
+    DEFAULT_HANG_TIMEOUT,
+    FLIGHT_RECORDER_ENTRIES,
+    HANG_DIR_ENV,
+    HangWatch,
+    diagnose,
+)
 from devicekit.jobs.rank_process import STACK_SIGNAL, rank_main
 from devicekit.jobs.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
@@ -87,6 +94,7 @@ def launch(
     timeout: float | None = None,
     gpus_per_proc: int = 1,
     min_free_memory: int | str | None = None,
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank; return each rank's value, in rank order.
@@ -104,15 +112,19 @@ def launch(
 
     ``backend``: ``"auto"`` (nccl on CUDA, gloo otherwise), a backend name, or None to leave
     the process group to ``fn``. ``timeout``: seconds the job may take, once every rank has
-    started, before the hang watchdog fires. ``min_free_memory`` filters the GPUs to lease
+    started, before the hang watchdog fires. ``hang_timeout``: seconds in which no rank makes
+    progress while one waits in a collective (or 3/4 of the process group's timeout, if
+    shorter) before the job counts as hung; None switches that off. Either way a hang raises
+    :class:`RankHangError` with a report naming the rank to look at. ``min_free_memory`` filters the GPUs to lease
     (``devices="auto"`` only). With several ranks and no ``OMP_NUM_THREADS`` of yours, each
     rank gets ``OMP_NUM_THREADS`` = usable cores / ranks (at least 1), so ranks do not fight
     over the cores. ``fn`` and its arguments must be picklable (a module-level function), and
     the calling script needs the ``if __name__ == "__main__":`` guard.
     """
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or timeout <= 0):
-        raise InvalidValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    for name, value in (("timeout", timeout), ("hang_timeout", hang_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or value <= 0):
+            raise InvalidValueError(f"{name}={value!r} must be a positive number of seconds")
     mode = devices_mode(devices, gpus_per_proc, min_free_memory)
     if nprocs is not None:
         positive_count(nprocs, "nprocs")
@@ -125,7 +137,8 @@ def launch(
         ) from None
     allocation = plan_processes(mode, nprocs, gpus_per_proc, min_free_memory)
     try:
-        return _Job(allocation, payload, backend, timeout, hide_gpus=mode == "cpu").run()
+        return _Job(allocation, payload, backend, timeout, hide_gpus=mode == "cpu",
+                    hang_timeout=hang_timeout).run()
     finally:
         allocation.release()
 
@@ -134,7 +147,8 @@ class _Job:
     """The running ranks of one ``launch`` call and their supervision."""
 
     def __init__(self, allocation: Allocation, payload: bytes, backend: str | None,
-                 timeout: float | None, hide_gpus: bool = False) -> None:
+                 timeout: float | None, hide_gpus: bool = False,
+                 hang_timeout: float | None = None) -> None:
         self.allocation = allocation
         self.hide_gpus = hide_gpus
         self.payload = payload
@@ -142,6 +156,9 @@ class _Job:
         self.timeout = timeout
         self.world = allocation.nprocs
         self.workdir = tempfile.mkdtemp(prefix="devicekit-launch-")
+        self.hang_dir = os.path.join(self.workdir, "collectives")  # the ranks' records
+        os.mkdir(self.hang_dir)
+        self.watch = HangWatch(self.hang_dir, self.world, hang_timeout) if hang_timeout else None
         self.procs: list[Any] = []
         self.conns: dict[Any, int] = {}
         self.results: dict[int, Any] = {}
@@ -163,6 +180,10 @@ class _Job:
             env[OWN_DEVICES_ENV] = "1"
         elif self.hide_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if self.backend is not None:  # the ranks record their collectives (dk.dist.init)
+            env[HANG_DIR_ENV] = self.hang_dir
+            if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+                env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
         if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(omp_threads(self.world))
         return env
@@ -238,8 +259,12 @@ class _Job:
             left = None if limit is None else limit - time.monotonic()
             if left is not None and left <= 0:
                 self.hang(started=deadline is not None)
+            if self.watch is not None:
+                left = 0.5 if left is None else min(left, 0.5)
             ready = wait_for(list(open_conns) + list(sentinels), timeout=left)
             self.handle(ready, open_conns, sentinels)
+            if self.watch is not None and not self.failures and self.watch.hung():
+                self.hang(started=True, stalled=True)
             if self.failures:
                 # a failing rank makes its peers' collectives fail a moment later: take in
                 # everything that has already happened, then blame the rank that failed first
@@ -291,6 +316,9 @@ class _Job:
 
         rank = min(self.failures, key=order)
         _, message, text = self.failures[rank]
+        if self.backend is not None:  # e.g. gloo aborts a rank on a shape mismatch: say so
+            mismatches = diagnose(self.hang_dir, self.world, "dk.launch", wait=2.0).mismatches
+            message += "".join(f"; {line}" for line in mismatches)
         raise RankFailedError(message, rank, text)
 
     def reap(self, rank: int, open_conns: dict[Any, int]) -> None:
@@ -313,7 +341,9 @@ class _Job:
         self.failures[rank] = (time.time(), f"rank {rank} of {self.world} died with {how} before"
                                 " returning", "")
 
-    def hang(self, started: bool) -> None:
+    def hang(self, started: bool, stalled: bool = False) -> None:
+        # the ranks' own answer first (their collectives, where each one is), then the stacks
+        report = diagnose(self.hang_dir, self.world, "dk.launch") if self.backend and started else None
         stuck = [rank for rank in range(self.world) if rank not in self.results]
         if not started:
             stuck = [rank for rank in stuck if rank not in self.ready] or stuck
@@ -331,14 +361,24 @@ class _Job:
             stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
         waiting = [r for r in stuck if "torch/distributed" in stacks[r]]
         culprits = [r for r in stuck if r not in waiting] or stuck
+        if report is not None and report.answered:
+            culprits = report.culprits
         detail = ""
         if waiting and culprits != stuck:
             detail = f"; ranks {waiting} wait in a collective for rank(s) {culprits}"
-        where = "".join(
-            f"; rank {r} at {_innermost_frame(stacks[r])}" for r in culprits if _innermost_frame(stacks[r])
-        )
-        what = f"did not finish within {self.timeout:g} s" if started else (
-            f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s")
+        where = "".join(f"; rank {r} at {_innermost_frame(stacks.get(r, ''))}"
+                        for r in culprits if _innermost_frame(stacks.get(r, "")))
+        if stalled and self.watch is not None:
+            what = f"made no progress for {self.watch.limit(self.watch.progress()):g} s"
+        elif started:
+            what = f"did not finish within {self.timeout:g} s"
+        else:
+            what = f"did not start within {max(self.timeout or 0.0, STARTUP_SECONDS):g} s"
+        if report is not None and report.answered:
+            verdict = report.lines[-1].split(": ", 1)[-1]
+            raise RankHangError(f"rank(s) {culprits} {what}{where}; {verdict}; the report is in"
+                                " RankHangError.report, stacks in .stacks", culprits, stacks,
+                                report.text)
         message = (
             f"rank(s) {culprits} {what}{where}{detail};"
             " their Python stacks are in RankHangError.stacks"

@@ -123,3 +123,7 @@ def rank_main(
             dist.destroy()
         except Exception:  # noqa: BLE001 - the result is already delivered
             pass
+    from devicekit.parallel.clean_exit import exit_without_teardown
+
+    exit_without_teardown(0)  # the result is delivered: no teardown that could abort now
+

@@ -53,6 +53,9 @@ class RunRequest:
     #: the job's time limit (``"30m"``, seconds), enforced with SIGTERM then SIGKILL; None: the
     #: queue policy's default_time_limit, if any
     time_limit: float | str | None = None
+    #: seconds without progress while a rank waits in a collective before the job is stopped
+    #: as hung (a report names the rank); None or 0: never
+    hang_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         if self.nnodes is not None:
@@ -85,6 +88,10 @@ class RunPlan:
     notes: list[str]
     #: a :class:`~devicekit.jobs.time_limit.TimeLimit` to enforce, or None
     time_limit: Any = None
+    #: the hang doctor's timeout (torchrun jobs); None: off
+    hang_timeout: float | None = None
+    #: ``--log-dir``: where a hang report is saved
+    log_dir: str | None = None
 
     @property
     def distributed(self) -> bool:

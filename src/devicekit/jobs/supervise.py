@@ -10,7 +10,7 @@ Usage::
 
     from devicekit.jobs.supervise import execute
 
-    code = execute(plan)          # a RunPlan from devicekit.jobs.run.plan_run (type in launch.request)
+    code = execute(plan)          # a RunPlan from devicekit.jobs.run.plan_run (type in jobs.request)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from devicekit.errors import CommandNotFoundError
 from devicekit.hardware.stopped_jobs import StopMarker
 from devicekit.jobs.process_tree import ProcessTree
+from devicekit.jobs.run_doctor import HANG_EXIT_CODE, RunDoctor
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
@@ -49,15 +50,18 @@ def execute(plan: RunPlan) -> int:
         return _execute(plan, tree.env())
 
 
-def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
+def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
+    doctor = RunDoctor.for_plan(plan)  # torchrun jobs: a hang is reported and stopped
     try:
         child = subprocess.Popen(
             plan.argv,
-            env={**plan.env, **marker},
+            env={**plan.env, **tree_env},
             pass_fds=plan.allocation.lease_fds,
             preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
         )
     except OSError as exc:
+        if doctor is not None:
+            doctor.close()
         raise CommandNotFoundError(
             f"cannot start {plan.argv[0]!r}: {exc.strerror}; check the command after '--'"
         ) from None
@@ -92,6 +96,9 @@ def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
                     family.update()
                 if limit is not None:  # run --time: SIGTERM at the limit, SIGKILL after grace
                     limit.check(child.pid)
+                if doctor is not None and not forwarded and doctor.hung():
+                    doctor.report_and_stop(child.pid)
+                    forwarded.append(time.monotonic())
                 if forwarded and time.monotonic() - forwarded[0] > KILL_AFTER_SECONDS:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -99,6 +106,9 @@ def _execute(plan: RunPlan, marker: dict[str, str]) -> int:
     marker.clear()
     _reap_group(child.pid)
     family.stop_survivors()
+    hung = doctor is not None and doctor.close()  # always closed: it owns a directory
+    if hung:
+        return HANG_EXIT_CODE
     if limit is not None and limit.reached:
         return limit.exit_code(code)
     if code < 0:

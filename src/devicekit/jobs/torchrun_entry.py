@@ -42,11 +42,33 @@ def main(argv: list[str] | None = None) -> int:
                if failure.exitcode < 0 else f"exited with code {failure.exitcode}")
         print(f"devicekit run: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
               f"{how} first; exiting {code}", file=sys.stderr, flush=True)
+        after = finished_note(rank, failure.exitcode)
+        if after:
+            print(f"devicekit run: {after}", file=sys.stderr, flush=True)
         return code
     except SignalException as exc:  # devicekit run forwarded a signal: the shell's 128 + N
         return 128 + int(exc.sigval)
     return 0
 
 
+def finished_note(rank: int, exitcode: int) -> str:
+    """A plain sentence when a rank died of a signal after its Python code had finished."""
+    import os
+
+    from devicekit.jobs.hang_report import HANG_DIR_ENV, finished_state
+
+    directory = os.environ.get(HANG_DIR_ENV)
+    state = finished_state(directory, rank) if directory and exitcode < 0 else None
+    if state is None:
+        return ""
+    last = f" (seq {state['seq']}, {state['op']})" if state.get("op") else ""
+    return (f"rank {rank} had finished its Python code, after its last collective{last}: it was"
+            " killed in torch's teardown at interpreter exit, not by an error of the job (a known"
+            " torch problem, pytorch/pytorch#190489 and #179291; end the script with"
+            " dk.dist.exit_without_teardown(0) after dk.dist.destroy())")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from devicekit.parallel.clean_exit import exit_without_teardown
+
+    exit_without_teardown(main())  # torchrun's agent (the store's host) cannot abort at exit

@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
+from devicekit.parallel.clean_exit import exit_without_teardown
 from devicekit.parallel.environments import DistEnv, detect_environment
 from devicekit.parallel.environments.base import check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
@@ -50,6 +51,7 @@ __all__ = [
     "all_reduce_mean",
     "gather_object",
     "destroy",
+    "exit_without_teardown",
     "GPUS_PER_PROC_ENV",
     "OWN_DEVICES_ENV",
     "LOOPBACK_OK_ENV",
@@ -183,6 +185,9 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
             f"cannot join the process group at {facts.master_addr}:{facts.master_port} as"
             f" {facts.describe()}: {first}"
         ) from exc
+    from devicekit.parallel import collective_log  # under devicekit run / dk.launch: recorded
+
+    collective_log.start_from_environment(facts.rank, (span or tdist.default_pg_timeout).total_seconds())
     return dev
 
 

@@ -1,0 +1,191 @@
+"""The hang doctor end to end: gloo ranks under dk.launch and devicekit run that hang, disagree or die.
+
+Each job uses a short ``hang_timeout`` (3 s); the ranks that sleep do so for far longer than
+the test waits, so a report that came only from the sleep ending would fail the test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import devicekit as dk
+from tests.ranks import child_env
+
+pytestmark = pytest.mark.slow
+
+#: how long a job may take to be reported: start-up of the ranks on a loaded machine + timeout
+BOUND = 150
+
+
+def stuck_before_fourth(rank_to_stick: int) -> str:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.ones(4)
+    for step in range(6):
+        if step == 3 and tdist.get_rank() == rank_to_stick:
+            time.sleep(300)
+        tdist.all_reduce(t)
+    return "done"
+
+
+def skips_one() -> str:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.ones(4)
+    for step in range(3):
+        if step == 1 and tdist.get_rank() == 2:
+            continue  # rank 2 skips the second all_reduce
+        tdist.all_reduce(t)
+    time.sleep(300)
+    return "done"
+
+
+def mismatched_ops() -> str:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.ones(4)
+    tdist.all_reduce(t)
+    if tdist.get_rank() == 1:
+        tdist.broadcast(t, 0)
+    else:
+        tdist.all_reduce(t)
+    return "done"
+
+
+def mismatched_shapes() -> str:
+    import torch
+    import torch.distributed as tdist
+
+    tdist.all_reduce(torch.ones(4 + tdist.get_rank()))  # gloo aborts a rank on this
+    return "done"
+
+
+def dies() -> str:
+    import torch
+    import torch.distributed as tdist
+
+    tdist.all_reduce(torch.ones(4))
+    if tdist.get_rank() == 1:
+        raise ValueError("bad batch")
+    tdist.all_reduce(torch.ones(4))
+    return "done"
+
+
+def healthy_with_a_slow_phase() -> float:
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+    for step in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        if step == 1:
+            time.sleep(4)  # every rank computes for longer than the hang timeout: not a hang
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    return float(t[0])
+
+
+def test_launch_names_the_stuck_rank_and_its_line(no_leftover_children: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(dk.RankHangError) as info:
+        dk.launch(stuck_before_fourth, 1, nprocs=2, devices="cpu", hang_timeout=3)
+    assert time.monotonic() - start < BOUND
+    err = info.value
+    assert err.stuck_ranks == [1]
+    assert "rank 0: waits in all_reduce (seq 4)" in err.report
+    assert "test_hang_doctor.py:34" in err.report  # the all_reduce rank 0 waits in
+    assert "rank 1: not in a collective; now at test_hang_doctor.py:33 in stuck_before_fourth" in err.report
+    assert err.report.splitlines()[-1].startswith("dk.launch: look at rank 1: it never reached all_reduce seq 4")
+
+
+def test_launch_names_the_rank_that_skipped_a_collective(no_leftover_children: None) -> None:
+    with pytest.raises(dk.RankHangError) as info:
+        dk.launch(skips_one, nprocs=3, devices="cpu", hang_timeout=3)
+    err = info.value
+    assert err.stuck_ranks == [2]
+    assert "rank 0: waits in all_reduce (seq 3)" in err.report
+    assert "rank 1: waits in all_reduce (seq 3)" in err.report
+    assert "last collective: all_reduce (seq 2)" in err.report  # rank 2 made one fewer
+
+
+def test_launch_reports_mismatched_collectives(no_leftover_children: None) -> None:
+    with pytest.raises(dk.RankHangError) as info:
+        dk.launch(mismatched_ops, nprocs=2, devices="cpu", hang_timeout=3)
+    err = info.value
+    assert "mismatch at seq 2: rank 0 all_reduce [[4]] vs rank 1 broadcast [[4]]" in err.report
+    assert err.stuck_ranks == [0, 1]
+
+
+def test_launch_reports_mismatched_shapes_when_gloo_aborts_a_rank(no_leftover_children: None) -> None:
+    with pytest.raises((dk.RankFailedError, dk.RankHangError)) as info:
+        dk.launch(mismatched_shapes, nprocs=2, devices="cpu", hang_timeout=3)
+    assert "mismatch at seq 1: rank 0 all_reduce [[4]] vs rank 1 all_reduce [[5]]" in str(info.value)
+
+
+def test_launch_names_a_rank_that_died_as_before(no_leftover_children: None) -> None:
+    with pytest.raises(dk.RankFailedError) as info:
+        dk.launch(dies, nprocs=2, devices="cpu", hang_timeout=3)
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 of 2 failed: ValueError: bad batch")
+
+
+def test_launch_healthy_job_with_a_slow_phase_is_not_a_hang(no_leftover_children: None) -> None:
+    assert dk.launch(healthy_with_a_slow_phase, nprocs=2, devices="cpu", hang_timeout=2) == [2.0, 2.0]
+
+
+RUN_SCRIPT = textwrap.dedent(
+    """
+    import sys, time, torch, torch.distributed as tdist
+    import devicekit as dk
+    dk.dist.init(timeout=120)
+    t = torch.ones(4)
+    for step in range(6):
+        if step == 3 and tdist.get_rank() == int(sys.argv[1]):
+            time.sleep(300)
+        tdist.all_reduce(t)
+    dk.dist.destroy()
+    """
+)
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "job.py"
+    script.write_text(RUN_SCRIPT)
+    return subprocess.run(
+        [sys.executable, "-m", "devicekit", "run", "--procs", "2", "--hang-timeout", "3",
+         "--log-dir", str(tmp_path / "logs"), "--", str(script), *args],
+        env=child_env(), capture_output=True, text=True, timeout=BOUND,
+    )
+
+
+def test_run_reports_the_stuck_rank_exits_124_and_saves_the_dump(
+        tmp_path: Path, no_leftover_children: None) -> None:
+    done = run_cli(tmp_path, "1")
+    assert done.returncode == 124, done.stderr
+    assert "rank 0: waits in all_reduce (seq 4) shapes [[4]] float32 at job.py:9" in done.stderr
+    assert "rank 1: not in a collective; now at job.py:8 in <module>" in done.stderr
+    verdict = [line for line in done.stderr.splitlines() if "look at rank" in line]
+    assert verdict == ["devicekit run: look at rank 1: it never reached all_reduce seq 4 that"
+                       " rank(s) [0] wait in; it is at job.py:8 in <module>"]
+    saved = list((tmp_path / "logs").glob("devicekit-hang-*/hang-report.txt"))
+    assert len(saved) == 1
+    text = saved[0].read_text()
+    assert "===== rank 1 =====" in text and "job.py" in text
+    assert "Thread" in text  # every thread's stack
+
+
+def test_run_healthy_job_has_no_report(tmp_path: Path, no_leftover_children: None) -> None:
+    done = run_cli(tmp_path, "-1")
+    assert done.returncode == 0, done.stderr
+    assert "hang report" not in done.stderr
+    assert not list((tmp_path / "logs").glob("devicekit-hang-*"))
