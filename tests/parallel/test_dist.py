@@ -81,7 +81,9 @@ def test_loopback_master_with_several_nodes(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_localhost_in_slurm_master_addr(monkeypatch: pytest.MonkeyPatch) -> None:
+    # task 0 of an srun step (srun sets SLURM_STEP_ID; without it this is the batch script)
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
+           "SLURM_STEP_ID": "0",
            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NAME": "job", "MASTER_ADDR": "localhost"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -119,7 +119,8 @@ def test_mpi_flavours(env: dict[str, str]) -> None:
         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
         ({"RANK": "4", "WORLD_SIZE": "2"}, "rank 4"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "99999"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(y3)"}, "2(y3)"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+          "SLURM_TASKS_PER_NODE": "2(y3)"}, "2(y3)"),
     ],
 )
 def test_bad_variables_are_one_line_errors(env: dict[str, str], needle: str) -> None:

@@ -40,4 +40,9 @@ def is_batch_script(environ: Mapping[str, str]) -> bool:
     if not in_slurm_job(environ):
         return False
     step = (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "").strip()
-    return not step or step in NOT_SRUN_STEPS
+    if step:
+        return step in NOT_SRUN_STEPS
+    # no step id: the batch script is task 0 and has none of srun's SLURM_STEP_* variables
+    if environ.get("SLURM_PROCID", "").strip() not in ("0", ""):
+        return False
+    return not any(name.startswith("SLURM_STEP_") for name in environ)

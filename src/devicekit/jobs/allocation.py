@@ -308,9 +308,11 @@ def _lease(count: int | None, per_proc: int, kwargs: dict[str, Any]) -> Any:
     return select_gpus(max(usable, per_proc), **kwargs)
 
 
-#: ``--gpus all`` takes the GPUs that are free: at most this share of memory used by others ...
-BUSY_MEMORY_SHARE = 0.10
-#: ... and at most this utilization (percent); ``--min-free``/``--max-util`` replace both
+#: ``--gpus all`` takes the GPUs that are free: at most this share of memory used by others
+#: (an idle notebook's context leaves a GPU usable) ...
+BUSY_MEMORY_SHARE = 0.25
+#: ... and at most this utilization in percent (another job's compute slows every step of a DDP
+#: job, which runs at its slowest rank's pace); ``--min-free``/``--max-util`` replace both
 BUSY_UTILIZATION = 10.0
 
 

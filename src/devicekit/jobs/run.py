@@ -137,7 +137,8 @@ def _build(request: RunRequest, world: World, allocation: Allocation,
     argv = [sys.executable, "-m", TORCHRUN_ENTRY,  # torchrun, with the ranks' exit codes kept
             *torchrun_options(world, allocation.nprocs, request), "--no-python", *command]
     notes.append(_torchrun_note(world, allocation.nprocs))
-    return RunPlan(argv, env, allocation, notes, request.hang_timeout, request.log_dir)
+    return RunPlan(argv, env, allocation, notes, hang_timeout=request.hang_timeout,
+                   log_dir=request.log_dir)
 
 
 def torchrun_options(world: World, nprocs: int, request: RunRequest) -> list[str]:
