@@ -139,9 +139,12 @@ def collect(directory: str, world_size: int | Sequence[int], wait: float = 5.0) 
     ranks = ranks_of(world_size)
     request = str(int(time.time() * 1000))
     tmp = os.path.join(directory, REQUEST_FILE + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(request)
-    os.replace(tmp, os.path.join(directory, REQUEST_FILE))
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(request)
+        os.replace(tmp, os.path.join(directory, REQUEST_FILE))
+    except OSError:  # the job's directory is gone (the job ended): no rank can answer
+        wait = 0.0
     deadline = time.monotonic() + wait
     answers: dict[int, dict[str, Any]] = {}
     while True:
