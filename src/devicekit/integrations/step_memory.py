@@ -21,24 +21,16 @@ Usage::
 from __future__ import annotations
 
 import os
-import sys
 from collections import deque
 from typing import Any
 
 import torch
 
+from devicekit.memory.usage import peak_rss as memory_peak_rss
+
 __all__ = ["StepMemory", "MIB"]
 
 MIB = float(1 << 20)
-
-
-def _peak_rss() -> int | None:
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
 class StepMemory:
@@ -84,7 +76,7 @@ class StepMemory:
                     f"{p}peak_allocated_mib": peak / MIB}
         self.samples.append((step, None, None, rss))
         figures = {f"{p}rss_mib": rss / MIB}
-        peak_rss = _peak_rss()
+        peak_rss = memory_peak_rss()
         if peak_rss is not None:
             figures[f"{p}peak_rss_mib"] = max(peak_rss, rss) / MIB  # the kernel updates it lazily
         return figures

@@ -25,7 +25,7 @@ import torch
 
 from devicekit.memory.tensors import live_tensors, total_bytes
 
-__all__ = ["DeviceMemory", "usage", "cuda_usage", "cpu_usage"]
+__all__ = ["DeviceMemory", "usage", "cuda_usage", "cpu_usage", "peak_rss"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def cpu_usage(*, count_tensors: bool = True) -> DeviceMemory:
     else:
         notes.append("allocated: not measured (count_tensors=False)")
     rss = psutil.Process(os.getpid()).memory_info().rss
-    peak = _peak_rss()
+    peak = peak_rss()
     if peak is not None:
         # the kernel updates the high-water mark lazily (ru_maxrss can trail the RSS read just
         # before it by a page-table sync): a peak is never below the current value
@@ -167,7 +167,9 @@ def cpu_usage(*, count_tensors: bool = True) -> DeviceMemory:
     )
 
 
-def _peak_rss() -> int | None:
+def peak_rss() -> int | None:
+    """This process's peak resident memory in bytes (the kernel's high-water mark); None where
+    the platform does not report it."""
     try:
         import resource
     except ImportError:  # Windows
