@@ -148,19 +148,19 @@ def test_leases_work_across_processes_with_env_dir(tmp_path):
 def test_lease_file_is_private_until_locked(monkeypatch):
     """Another user who opened a fresh lease file before its writer locked it could hold a
     shared flock and block the writer's LOCK_EX forever, with the directory lock held."""
-    from devicekit.hardware import leases as leases_module
+    import fcntl
 
     modes: list[int] = []
-    real_flock = leases_module.fcntl.flock
+    real_flock = fcntl.flock
 
     def spy(fd, op):
-        if op == leases_module.fcntl.LOCK_EX and stat.S_ISREG(os.fstat(fd).st_mode) \
+        if op == fcntl.LOCK_EX and stat.S_ISREG(os.fstat(fd).st_mode) \
                 and os.fstat(fd).st_size == 0 and os.path.basename(os.readlink(
                     f"/proc/self/fd/{fd}")).startswith(".tmp-"):
             modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
         return real_flock(fd, op)
 
-    monkeypatch.setattr(leases_module.fcntl, "flock", spy)
+    monkeypatch.setattr(fcntl, "flock", spy)  # where lease_directory.write_locked locks
     with Lease.acquire(["GPU-private"]) as lease:
         assert modes and all(mode & 0o077 == 0 for mode in modes), [oct(m) for m in modes]
         final = os.stat(lease._paths[0])

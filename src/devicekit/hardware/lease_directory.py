@@ -177,3 +177,30 @@ def _open_lock(lock_path: Path) -> int:
             return os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644)
         except FileExistsError:
             continue  # another process created it between our two calls
+
+
+def write_locked(directory: Path, final: Path, payload: bytes, what: str) -> int:
+    """Write ``payload`` to ``final`` atomically, locked from before it has that name; the fd.
+
+    The temp file is private (0600) until locked, so nobody else can open it and hold a lock
+    that blocks ours; then it becomes readable by all (others read leases and tickets) and is
+    renamed into place. No fsync: a lease or ticket matters only while its holder runs, and a
+    machine crash ends every holder. The caller keeps the fd open: the lock is the holding.
+    """
+    tmp = directory / f".tmp-{os.urandom(6).hex()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
+    except OSError as exc:
+        raise LeaseError(f"cannot write {what} in {str(directory)!r} ({exc.strerror}); "
+                         f"set {LEASE_DIR_ENV} to a writable directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.fchmod(fd, 0o644)
+        os.write(fd, payload)
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        os.close(fd)
+        raise
+    return fd

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,15 +47,14 @@ from devicekit.hardware.device_locks import BUDGET, HOLD, legacy_handshake, lock
 from devicekit.hardware.lease_directory import (
     DEFAULT_LEASE_DIR,
     LEASE_DIR_ENV,
-    OPEN_FLAGS,
     directory_lock,
     lease_dir,
     resolve_directory,
     user_name,
+    write_locked,
 )
 from devicekit.hardware.lease_records import (
     SUFFIX,
-    TMP_PREFIX,
     LeaseRecord,
     current_command,
     file_records,
@@ -247,31 +245,9 @@ def _busy_why(directory: Path, uuid: str, share: bool) -> str | None:
 
 def _write_locked(directory: Path, record: LeaseRecord) -> tuple[int, Path]:
     """Write ``record`` atomically: a locked temp file renamed into place; return (fd, path)."""
-    token = os.urandom(6).hex()
-    name = f"{safe_name(record.gpu_uuid)}.{record.pid}.{token}{SUFFIX}"
-    tmp = directory / f"{TMP_PREFIX}{token}"
+    name = f"{safe_name(record.gpu_uuid)}.{record.pid}.{os.urandom(6).hex()}{SUFFIX}"
     final = directory / name
-    try:
-        # private until locked: nobody else can open it and hold a lock that blocks ours
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
-    except OSError as exc:
-        raise LeaseError(
-            f"cannot write a lease in {str(directory)!r} ({exc.strerror}); "
-            f"set {LEASE_DIR_ENV} to a writable directory"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has its final name: never seen stale
-        os.fchmod(fd, 0o644)  # readable by all users so they can see (and test) the lease
-        os.write(fd, record.to_json().encode())
-        # no fsync: a lease only matters while its holder runs, and a crash of the machine ends
-        # every holder; rename alone makes the complete file appear at once to other processes
-        os.rename(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        os.close(fd)
-        raise
-    return fd, final
+    return write_locked(directory, final, record.to_json().encode(), "a lease"), final
 
 
 _LIVE: set[Lease] = set()

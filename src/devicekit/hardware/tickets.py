@@ -37,7 +37,7 @@ from typing import Any
 
 from devicekit.errors import LeaseError
 from devicekit.hardware.device_locks import lock_device
-from devicekit.hardware.lease_directory import LEASE_DIR_ENV, OPEN_FLAGS, user_name
+from devicekit.hardware.lease_directory import OPEN_FLAGS, user_name, write_locked
 
 __all__ = ["Ticket", "TicketRecord", "read_tickets", "cancel_ticket", "SUFFIX"]
 
@@ -161,24 +161,8 @@ def _seq_of(name: str) -> int:
 
 
 def _write_locked(directory: Path, final: Path, data: dict[str, Any]) -> int:
-    """Write ``data`` to a private temp file, lock it, rename it to ``final``; the locked fd."""
-    tmp = directory / f".tmp-{os.urandom(6).hex()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
-    except OSError as exc:
-        raise LeaseError(f"cannot write a queue ticket in {str(directory)!r} ({exc.strerror}); "
-                         f"set {LEASE_DIR_ENV} to a writable directory") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.fchmod(fd, 0o644)
-        os.write(fd, json.dumps(data, sort_keys=True).encode())
-        os.rename(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        os.close(fd)
-        raise
-    return fd
+    """Write ``data`` as the ticket ``final``, locked; the locked fd (held while waiting)."""
+    return write_locked(directory, final, json.dumps(data, sort_keys=True).encode(), "a queue ticket")
 
 
 def read_tickets(directory: Path, *, cleanup: bool = True) -> list[TicketRecord]:
