@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,16 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Temp
 
     inventory._cache.clear()
     visible._warned.clear()  # DeviceOrderWarning is once per process: each test is a fresh one
+
+
+@pytest.fixture
+def admin_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A root-owned mode-1777 lease directory under /tmp, as an admin would make it, in force."""
+    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
+    os.chmod(directory, 0o1777)
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 import fcntl
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from itertools import pairwise
@@ -30,16 +28,6 @@ os.setuid(65534)  # from here on this process is another, unprivileged user
 """
 
 
-@pytest.fixture
-def shared_dir(monkeypatch):
-    """A root-owned mode-1777 lease directory, as an admin would make it."""
-    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
-    os.chmod(directory, 0o1777)
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 HOLD_GPU_LOCK = AS_NOBODY + """
 path = os.path.join(sys.argv[1], sys.argv[2] + ".hold")
 fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
@@ -51,13 +39,13 @@ time.sleep(60)
 
 @needs_root
 def test_an_unusable_lock_file_blocks_only_its_gpu_and_names_its_owner(simulate, spawn,
-                                                                       shared_dir):
+                                                                       admin_lease_dir):
     simulate([h100(), h100()])
     first, second = dk.gpus()
     proc = spawn(AS_NOBODY + """
 os.mkdir(os.path.join(sys.argv[1], sys.argv[2] + ".hold"))
 print("made", flush=True)
-""", shared_dir, first.uuid)
+""", admin_lease_dir, first.uuid)
     assert wait_line(proc) == "made"
     with select_gpus(1, order="index") as sel:
         assert sel.gpus[0].uuid == second.uuid

@@ -36,16 +36,6 @@ time.sleep(60)
 """
 
 
-@pytest.fixture
-def lease_shared_dir(monkeypatch):
-    """A root-owned mode-1777 lease directory, as an admin would make it, in force."""
-    directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
-    os.chmod(directory, 0o1777)
-    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", directory)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def test_lease_dir_refuses_symlink(tmp_path, monkeypatch):
     real = tmp_path / "real"
     real.mkdir()
@@ -112,8 +102,6 @@ time.sleep(60)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
 def test_two_users_share_a_root_owned_directory(spawn, monkeypatch):
     import pwd
-    import shutil
-    import tempfile
 
     directory = tempfile.mkdtemp(prefix="devicekit-leases-", dir="/tmp")
     try:
@@ -168,7 +156,7 @@ def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
 
 
 @needs_root
-def test_another_user_holding_the_old_global_lock_does_not_stop_leasing(simulate, spawn, lease_shared_dir):
+def test_another_user_holding_the_old_global_lock_does_not_stop_leasing(simulate, spawn, admin_lease_dir):
     """Before per-device locks, one user's flock on .lock made every select fail after 30 s."""
     simulate([h100(), h100()])
     proc = spawn(AS_NOBODY + """
@@ -176,7 +164,7 @@ fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_RDONLY | os.O_CREAT, 0o644
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("holding", flush=True)
 time.sleep(60)
-""", lease_shared_dir)
+""", admin_lease_dir)
     assert wait_line(proc) == "holding"
     start = time.monotonic()
     with select_gpus(2) as sel:
@@ -188,10 +176,10 @@ time.sleep(60)
 
 @needs_root
 def test_another_user_holding_a_gpu_lock_makes_that_gpu_busy_and_is_named(simulate, spawn,
-                                                                         lease_shared_dir):
+                                                                         admin_lease_dir):
     simulate([h100(), h100()])
     first, second = dk.gpus()
-    proc = spawn(HOLD_GPU_LOCK, lease_shared_dir, first.uuid)
+    proc = spawn(HOLD_GPU_LOCK, admin_lease_dir, first.uuid)
     assert wait_line(proc) == "holding"
     with select_gpus(1, order="index") as sel:
         assert sel.gpus[0].uuid == second.uuid  # the other GPU is still leasable
@@ -213,7 +201,7 @@ def test_another_user_holding_a_gpu_lock_makes_that_gpu_busy_and_is_named(simula
 
 
 @needs_root
-def test_another_user_cannot_delete_or_take_our_lock_files(simulate, spawn, lease_shared_dir):
+def test_another_user_cannot_delete_or_take_our_lock_files(simulate, spawn, admin_lease_dir):
     simulate([h100()])
     (gpu,) = dk.gpus()
     with Lease.acquire([gpu.uuid]):
@@ -232,7 +220,7 @@ try:
 except BlockingIOError:
     out["lock"] = "refused"
 print(json.dumps(out), flush=True)
-""", lease_shared_dir, gpu.uuid)
+""", admin_lease_dir, gpu.uuid)
         assert json.loads(wait_line(proc)) == {"unlink": "refused", "lock": "refused"}
 
 
