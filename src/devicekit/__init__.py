@@ -22,6 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Any process that imports devicekit waits at exit, before the interpreter's teardown, for
+# torch's gloo worker threads to free their last works: otherwise one of them can abort the
+# process after its work is done (devicekit.teardown says why). Standard library only.
+from devicekit.teardown import settle_at_exit as _settle_at_exit  # noqa: E402
+
+_settle_at_exit()
+
 # public name -> "module:attribute" (attribute omitted: the module itself)
 _EXPORTS: dict[str, str] = {
     # errors

@@ -1,20 +1,21 @@
-"""End a rank whose work is done without the interpreter's teardown, which can abort in torch.
+"""End a rank whose work is done without an abort in torch's teardown at interpreter exit.
 
-On torch 2.13 (CPU, gloo) a two-rank job that has done all its work now and then aborts at
-interpreter exit with "terminate called without an active exception" (SIGABRT, exit 134). After
-``destroy_process_group()`` a rank still runs torch's two gloo worker threads, gloo's TCP loop
-and, where it hosts the store, the store's libuv thread (a DDP model still holds the group; seen
-with gdb), so their teardown happens during the interpreter's own, where a C++ thread that needs
-Python then is ended by force. :func:`exit_without_teardown` runs the exit
-work that matters (``atexit`` handlers, multiprocessing's finalizers, flushing stdout/stderr)
-and then leaves with ``os._exit``, so nothing of torch is torn down.
+Two ways out, both used by devicekit (the cause is in :mod:`devicekit.teardown`):
+
+* :func:`settle_backend_threads` (from :mod:`devicekit.teardown`) waits, bounded, until torch's
+  gloo worker threads are idle, so none frees a work during the teardown: ``import devicekit``
+  registers it at exit and ``dk.dist.destroy()`` calls it.
+* :func:`exit_without_teardown` runs the exit work that matters (``atexit`` handlers,
+  multiprocessing's finalizers, flushing stdout/stderr) and leaves with ``os._exit``: what
+  ``dk.launch``'s ranks, ``devicekit run``'s torchrun agent and the bundled example do once
+  their result is delivered.
 
 Usage::
 
     import devicekit as dk
 
-    dk.dist.destroy()
-    dk.dist.exit_without_teardown(0)       # the last line of a training script
+    dk.dist.destroy()                      # waits for torch's gloo threads to settle
+    dk.dist.exit_without_teardown(0)       # optional: the last line of a training script
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import atexit
 import os
 import sys
 
-__all__ = ["exit_without_teardown"]
+from devicekit.teardown import settle_at_exit, settle_backend_threads
+
+__all__ = ["exit_without_teardown", "settle_backend_threads", "settle_at_exit"]
 
 
 def exit_without_teardown(code: int = 0) -> None:
