@@ -1,18 +1,24 @@
-"""Benchmark the hang doctor's recording: a DDP step with it on vs off (goal: < 2 % slower).
+"""Benchmark the hang doctor's recording on a DDP step (goal: < 2 % slower than plain torch).
 
 Two gloo ranks train a small MLP with DDP and, as training loops do, all-reduce the loss each
-step (a Python collective the recorder wraps). "on" is what ``devicekit run`` and ``dk.launch``
-give every rank: ``DEVICEKIT_HANG_DIR`` (devicekit's own record, the probe thread, the progress
-file) and torch's Flight Recorder (``TORCH_FR_BUFFER_SIZE=256``); "off" is the same script
-without them (the anchor: plain torch). The two alternate, job after job, so load from other
-processes hits both alike; each job reports its median step time, and the ratio is of the
-medians over jobs. On a loaded machine a job's median swings by 2x with what else runs, so
-each job also reports its best 10-step block (the least disturbed stretch), and the ratio of
-the best blocks over all jobs is the figure to read.
+step (a Python collective the recorder wraps). Each rank is pinned to its own core where the
+machine has two or more, so the ranks do not trade places on the cores between runs.
+
+Two measurements, each against its anchor in the same run:
+
+1. **devicekit's record** (what ``devicekit run`` and ``dk.launch`` give every rank: the wrapped
+   collectives, ``rank<R>.last`` rewritten per call, the probe thread and its progress file) vs
+   the same job with the wrapper switched off. Inside one job, both ranks switch the wrapper on
+   and off together every ``--block`` steps (default 2: a job's load and its drift hit both
+   alike); the ratio is the median over adjacent (on, off) block pairs, in both orders. The
+   probe thread runs in both halves: it wakes twice a second, which is measured apart (its cost
+   per wake-up x 2 per second).
+2. **torch's Flight Recorder** on gloo (``TORCH_FR_BUFFER_SIZE=256``, which cannot be switched
+   inside a job): jobs with it and without it alternate; the ratio is of the medians over jobs.
 
 Usage::
 
-    python benchmarks/bench_collective_record.py [--jobs 4] [--steps 300]
+    python benchmarks/bench_collective_record.py [--steps 2000] [--block 2] [--jobs 6]
 """
 
 from __future__ import annotations
@@ -32,17 +38,22 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
 WORKLOAD = """
-import json, statistics, sys, time, torch, torch.distributed as tdist
+import json, os, statistics, sys, time, torch, torch.distributed as tdist
 from torch import nn
 import devicekit as dk
+from devicekit.parallel import collective_log
 dk.dist.init()
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(nn.Sequential(
     nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(64, 64), torch.randn(64, 1)
-times = []
-for step in range(int(sys.argv[2])):
+steps, block, toggle = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "toggle"
+state = collective_log._state
+times, kinds = [], []
+for step in range(steps):
+    on = state is not None and (not toggle or (step // block) % 2 == 0)
+    collective_log._state = state if on else None
     start = time.perf_counter()
     opt.zero_grad()
     loss = nn.functional.mse_loss(model(x), y)
@@ -51,72 +62,121 @@ for step in range(int(sys.argv[2])):
     logged = loss.detach().clone()
     tdist.all_reduce(logged)
     times.append(time.perf_counter() - start)
+    kinds.append(on)
+collective_log._state = state
 if tdist.get_rank() == 0:
-    steady = times[20:]
-    blocks = [statistics.mean(steady[i:i + 10]) for i in range(0, len(steady) - 9, 10)]
-    open(sys.argv[1], "w").write(json.dumps({"median": statistics.median(steady), "best": min(blocks)}))
+    warm = max(2 * block, 20)
+    warm += (-warm) % block
+    blocks = [(kinds[i], statistics.mean(times[i:i + block]))
+              for i in range(warm, steps - block + 1, block)]
+    json.dump({"median": statistics.median(times[warm:]), "blocks": blocks}, open(sys.argv[1], "w"))
 dk.dist.destroy()
 """
 
+PROBE = """
+import json, os, sys, tempfile, time, timeit
+from devicekit.parallel import collective_log
+directory = tempfile.mkdtemp()
+state = collective_log._State(directory, 0, 60.0)
+state.entries.append({"seq": 1, "state": "completed"})
+progress = os.path.join(directory, "rank0.progress")
+def wake():  # what one wake-up of the probe thread does (progress changed: the costly case)
+    collective_log._progress()
+    collective_log._write(progress, json.dumps({"torch_seq": 1, "seq": 1, "state": "completed",
+                                                "timeout": 60.0}))
+    collective_log._read_request(os.path.join(directory, collective_log.REQUEST_FILE))
+runs = 2000
+print(min(timeit.repeat(wake, number=runs, repeat=5)) / runs)
+"""
 
-def job(script: Path, steps: int, recording: bool, workdir: Path, port: int,
-        flight_recorder: bool = True) -> dict[str, float]:
+
+def job(script: Path, args: argparse.Namespace, toggle: bool, flight_recorder: bool,
+        workdir: Path) -> dict:
+    from devicekit.jobs.launch import free_port
+
     out = workdir / f"out-{time.monotonic_ns()}.json"
     base = dict(os.environ)
     base["PYTHONPATH"] = str(SRC) + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
     base.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    for name in ("DEVICEKIT_HANG_DIR", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         base.pop(name, None)
-    record_dir = None
-    if recording:
-        record_dir = tempfile.mkdtemp(prefix="devicekit-hang-", dir=workdir)
-        base.update(DEVICEKIT_HANG_DIR=record_dir)
-        if flight_recorder:
-            base.update(TORCH_FR_BUFFER_SIZE="256")
-    procs = [subprocess.Popen([sys.executable, str(script), str(out), str(steps)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
+    record_dir = tempfile.mkdtemp(prefix="devicekit-hang-", dir=workdir)
+    base["DEVICEKIT_HANG_DIR"] = record_dir
+    if flight_recorder:
+        base["TORCH_FR_BUFFER_SIZE"] = "256"
+    cores = os.cpu_count() or 1
+    procs = []
+    for rank in range(2):
+        pin = ["taskset", "-c", str(rank % cores)] if args.pin and cores >= 2 and _has_taskset() else []
+        procs.append(subprocess.Popen(
+            [*pin, sys.executable, str(script), str(out), str(args.steps), str(args.block),
+             "toggle" if toggle else "on"],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     codes = [p.wait(timeout=600) for p in procs]
     if codes != [0, 0] or not out.exists():
         raise RuntimeError(f"job failed: exit codes {codes}")
-    if recording and not list(Path(record_dir).glob("rank*.progress")):  # type: ignore[arg-type]
+    if not list(Path(record_dir).glob("rank*.progress")):
         raise RuntimeError("recording was asked for but no rank recorded")
-    return {key: float(value) for key, value in json.loads(out.read_text()).items()}
+    return json.loads(out.read_text())
+
+
+def _has_taskset() -> bool:
+    from shutil import which
+
+    return which("taskset") is not None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=5, help="jobs of each kind (alternating)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--without-flight-recorder", action="store_true",
-                        help="'on' is devicekit's own record only (torch's Flight Recorder off)")
+    parser.add_argument("--steps", type=int, default=2000, help="DDP steps per job")
+    parser.add_argument("--block", type=int, default=2, help="steps per on/off block")
+    parser.add_argument("--pin", action="store_true", help="pin each rank to a core of its own")
+    parser.add_argument("--toggle-jobs", type=int, default=2, help="jobs of the on/off measurement")
+    parser.add_argument("--jobs", type=int, default=6, help="jobs of each kind (Flight Recorder)")
+    parser.add_argument("--fr-steps", type=int, default=600, help="DDP steps per Flight Recorder job")
     args = parser.parse_args()
-    from devicekit.jobs.launch import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         script = workdir / "workload.py"
         script.write_text(WORKLOAD)
-        results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+        pairs: list[float] = []
+        on_blocks: list[float] = []
+        off_blocks: list[float] = []
+        for _ in range(args.toggle_jobs):
+            blocks = job(script, args, toggle=True, flight_recorder=False, workdir=workdir)["blocks"]
+            for (first_on, first), (second_on, second) in zip(blocks, blocks[1:]):  # noqa: B905
+                if first_on != second_on:  # every neighbouring pair: (on, off) and (off, on)
+                    on, off = (first, second) if first_on else (second, first)
+                    pairs.append(on / off)
+                    on_blocks.append(on)
+                    off_blocks.append(off)
+        medians: dict[str, list[float]] = {"off": [], "on": []}
         for i in range(args.jobs):
-            order = ("off", "on") if i % 2 == 0 else ("on", "off")
-            for kind in order:
-                results[kind].append(job(script, args.steps, kind == "on", workdir, free_port(),
-                                         flight_recorder=not args.without_flight_recorder))
-    medians = {kind: [r["median"] for r in rs] for kind, rs in results.items()}
-    best = {kind: min(r["best"] for r in rs) for kind, rs in results.items()}
+            for kind in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                fr_args = argparse.Namespace(**{**vars(args), "steps": args.fr_steps, "block": 10})
+                medians[kind].append(job(script, fr_args, toggle=False, flight_recorder=kind == "on",
+                                         workdir=workdir)["median"])
+        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        wake = float(subprocess.run([sys.executable, "-c", PROBE], env=env, check=True,
+                                    capture_output=True, text=True).stdout)
+    step = statistics.median(off_blocks)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores,"
+          f" load average {os.getloadavg()[0]:.2f}; 2 gloo ranks{' (pinned)' if args.pin else ''},"
+          " a small MLP under DDP"
+          " + one loss all_reduce per step")
+    print("| what | anchor | with | ratio |")
+    print("| --- | --- | --- | --- |")
+    print(f"| devicekit's record, in-job on/off blocks of {args.block} steps"
+          f" ({len(pairs)} pairs, {args.toggle_jobs} jobs): median of pair ratios"
+          f" | {step * 1e3:.3f} ms/step | {statistics.median(on_blocks) * 1e3:.3f} ms/step"
+          f" | {statistics.median(pairs):.3f} |")
+    probe_share = wake * 2 / 1.0  # two wake-ups a second
+    print(f"| the probe thread: one wake-up {wake * 1e6:.1f} us, 2 per second | - | - |"
+          f" {1 + probe_share:.4f} |")
     off, on = statistics.median(medians["off"]), statistics.median(medians["on"])
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores;"
-          f" 2 gloo ranks, {args.steps} DDP steps + a loss all_reduce per step, {args.jobs} jobs each")
-    print(f"median step, recording off (plain torch): {off * 1e3:.3f} ms  (jobs: "
-          + ", ".join(f"{m * 1e3:.3f}" for m in medians["off"]) + ")")
-    what = "devicekit only" if args.without_flight_recorder else "devicekit + Flight Recorder"
-    print(f"median step, recording on ({what}): {on * 1e3:.3f} ms  (jobs: "
-          + ", ".join(f"{m * 1e3:.3f}" for m in medians["on"]) + ")")
-    print(f"ratio of medians on/off: {on / off:.3f}")
-    print(f"best 10-step block: off {best['off'] * 1e3:.3f} ms, on {best['on'] * 1e3:.3f} ms;"
-          f" ratio on/off: {best['on'] / best['off']:.3f}  (goal < 1.02)")
+    print(f"| torch's Flight Recorder on gloo, {args.jobs} jobs each: median of job medians"
+          f" | {off * 1e3:.3f} ms/step | {on * 1e3:.3f} ms/step | {on / off:.3f} |")
 
 
 if __name__ == "__main__":

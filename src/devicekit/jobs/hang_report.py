@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from devicekit.parallel.collective_log import HANG_DIR_ENV, REQUEST_FILE
+from devicekit.parallel.collective_log import FLIGHT_RECORDER_ENV, HANG_DIR_ENV, REQUEST_FILE
 
 __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
+           "FLIGHT_RECORDER_ENV", "FLIGHT_RECORDER_ENTRIES",
            "DEFAULT_HANG_TIMEOUT", "HANG_EXIT_CODE", "diagnose",
            "finished_state"]
 
@@ -39,7 +40,7 @@ __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", 
 DEFAULT_HANG_TIMEOUT = 600.0
 #: ``devicekit run``'s exit code when it stopped a hung job (as timeout(1))
 HANG_EXIT_CODE = 124
-#: torch Flight Recorder entries kept per rank (its dump is read only when a job hangs)
+#: torch Flight Recorder entries kept per rank on NCCL groups (read only when a job hangs)
 FLIGHT_RECORDER_ENTRIES = "256"
 #: the most read of any file a rank wrote
 _MAX_BYTES = 1 << 20

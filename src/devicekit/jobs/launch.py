@@ -48,6 +48,7 @@ from devicekit.jobs.allocation import Allocation, devices_mode, plan_processes, 
 from devicekit.jobs.hang_report import (
     DEFAULT_HANG_TIMEOUT,
     FLIGHT_RECORDER_ENTRIES,
+    FLIGHT_RECORDER_ENV,
     HANG_DIR_ENV,
     HangWatch,
     diagnose,
@@ -182,8 +183,7 @@ class _Job:
             env["CUDA_VISIBLE_DEVICES"] = ""
         if self.backend is not None:  # the ranks record their collectives (dk.dist.init)
             env[HANG_DIR_ENV] = self.hang_dir
-            if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
-                env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
+            env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
         if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(omp_threads(self.world))
         return env

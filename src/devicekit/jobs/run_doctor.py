@@ -1,8 +1,9 @@
 """``devicekit run``'s hang doctor: watch a torchrun job's ranks, report and stop a hung job.
 
 For a plan that starts torchrun, :meth:`RunDoctor.for_plan` makes a private directory, names it
-in the ranks' environment (``DEVICEKIT_HANG_DIR``; ``dk.dist.init`` then records collectives
-there) and switches torch's Flight Recorder on (``TORCH_FR_BUFFER_SIZE``) unless the user chose.
+in the ranks' environment (``DEVICEKIT_HANG_DIR``: ranks record their collectives there, whether
+they call ``dk.dist.init`` or torch's own ``init_process_group``, through a ``sitecustomize``
+put first on their ``PYTHONPATH``) and asks for torch's Flight Recorder on NCCL groups.
 While the job runs, :meth:`RunDoctor.hung` checks the ranks' progress about once a second; on a
 hang, :meth:`RunDoctor.report_and_stop` prints the report on stderr, saves it with every rank's
 full dump (under ``--log-dir``, or the private directory, which is then kept) and stops the job,
@@ -29,12 +30,14 @@ from typing import TYPE_CHECKING
 
 from devicekit.jobs.hang_report import (
     FLIGHT_RECORDER_ENTRIES,
+    FLIGHT_RECORDER_ENV,
     HANG_DIR_ENV,
     HANG_EXIT_CODE,
     HangWatch,
     diagnose,
     save,
 )
+from devicekit.parallel import boot
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
@@ -60,8 +63,10 @@ class RunDoctor:
             return None
         directory = tempfile.mkdtemp(prefix="devicekit-hang-")
         plan.env[HANG_DIR_ENV] = directory
-        if "TORCH_FR_BUFFER_SIZE" not in plan.env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in plan.env:
-            plan.env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
+        plan.env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
+        # ranks that call torch's own init_process_group record too (boot/sitecustomize.py)
+        plan.env["PYTHONPATH"] = os.pathsep.join(
+            [boot.DIRECTORY, *filter(None, [plan.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])
         return cls(directory, _local_ranks(plan), float(timeout), getattr(plan, "log_dir", None))
 
     def hung(self) -> bool:

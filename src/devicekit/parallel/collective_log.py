@@ -29,10 +29,13 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["HANG_DIR_ENV", "REQUEST_FILE", "start_from_environment", "start", "records", "dump"]
+__all__ = ["HANG_DIR_ENV", "FLIGHT_RECORDER_ENV", "REQUEST_FILE", "start_from_environment", "start",
+           "records", "dump", "flight_recorder_for", "group_timeout"]
 
 #: the directory, set by the launcher, where ranks write progress and dumps
 HANG_DIR_ENV = "DEVICEKIT_HANG_DIR"
+#: set by the launcher: torch Flight Recorder entries to keep on NCCL groups
+FLIGHT_RECORDER_ENV = "DEVICEKIT_FLIGHT_RECORDER"
 #: the file the supervisor writes a request id into
 REQUEST_FILE = "request"
 #: entries kept per rank
@@ -77,6 +80,38 @@ def start_from_environment(rank: int, timeout: float | None = None) -> bool:
         return False
     start(directory, rank, timeout)
     return True
+
+
+def flight_recorder_for(backend: object) -> bool:
+    """Before ``init_process_group``: switch torch's Flight Recorder on where the launcher asked
+    (``DEVICEKIT_FLIGHT_RECORDER``), the group uses NCCL and the user set no buffer size of their
+    own; True if switched on. Not on gloo: devicekit's own record covers it, and the Flight
+    Recorder slows a gloo step by several percent (docs/benchmarks.md)."""
+    entries = os.environ.get(FLIGHT_RECORDER_ENV, "")
+    if not entries.isdigit() or {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        return False
+    if backend is None:  # torch's default: NCCL for CUDA tensors where CUDA is usable
+        import torch
+
+        nccl = torch.cuda.is_available()
+    else:
+        nccl = "nccl" in str(backend).lower()
+    if nccl:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = entries
+    return nccl
+
+
+def group_timeout(timeout: Any, backend: object = None) -> float | None:
+    """Seconds of a process group's collective timeout: ``timeout`` (a timedelta or seconds)
+    where given, else torch's default for ``backend``."""
+    if timeout is not None:
+        return float(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout)
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return float(c10d._get_default_timeout(c10d.Backend(str(backend or "gloo"))).total_seconds())
+    except Exception:  # noqa: BLE001 - an older torch, or a backend name it does not know
+        return float(c10d.default_pg_timeout.total_seconds())
 
 
 def start(directory: str, rank: int, timeout: float | None = None) -> None:

@@ -30,7 +30,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
-from devicekit.parallel.clean_exit import exit_without_teardown
+from devicekit.parallel import collective_log
+from devicekit.parallel.clean_exit import (
+    exit_without_teardown,
+    settle_at_exit,
+    settle_backend_threads,
+)
 from devicekit.parallel.environments import DistEnv, detect_environment
 from devicekit.parallel.environments.base import check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
@@ -177,6 +182,7 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
         kwargs["store"] = tdist.HashStore()  # one rank: no port, no network
     else:
         kwargs["init_method"] = f"tcp://{_bracket(facts.master_addr)}:{facts.master_port}"
+    collective_log.flight_recorder_for(name)  # NCCL under devicekit run / dk.launch
     try:
         tdist.init_process_group(**kwargs)
     except (RuntimeError, ValueError) as exc:
@@ -185,9 +191,10 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
             f"cannot join the process group at {facts.master_addr}:{facts.master_port} as"
             f" {facts.describe()}: {first}"
         ) from exc
-    from devicekit.parallel import collective_log  # under devicekit run / dk.launch: recorded
+    settle_at_exit()  # a script that never calls destroy() cannot abort at exit either
 
-    collective_log.start_from_environment(facts.rank, (span or tdist.default_pg_timeout).total_seconds())
+    # under devicekit run / dk.launch: this rank records its collectives for the hang doctor
+    collective_log.start_from_environment(facts.rank, collective_log.group_timeout(span, name))
     return dev
 
 
@@ -207,11 +214,14 @@ def _publish_torchrun_variables(facts: DistEnv) -> None:
 
 
 def destroy() -> None:
-    """Tear the default process group down if there is one (safe to call twice)."""
+    """Tear the default process group down if there is one (safe to call twice), then wait for
+    torch's gloo worker threads to settle, so the interpreter's exit cannot abort in them
+    (see :mod:`devicekit.parallel.clean_exit`)."""
     if is_initialized():
         import torch.distributed as tdist
 
         tdist.destroy_process_group()
+    settle_backend_threads()
 
 
 def is_main() -> bool:
