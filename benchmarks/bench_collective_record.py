@@ -10,15 +10,16 @@ Two measurements, each against its anchor in the same run:
    collectives, ``rank<R>.last`` rewritten per call, the probe thread and its progress file) vs
    the same job with the wrapper switched off. Inside one job, both ranks switch the wrapper on
    and off together every ``--block`` steps (default 2: a job's load and its drift hit both
-   alike); the ratio is the median over adjacent (on, off) block pairs, in both orders. The
-   probe thread runs in both halves: it wakes twice a second, which is measured apart (its cost
+   alike); the ratio is the median over adjacent (on, off) block pairs, in both orders. An A/A
+   control job (recording on in both halves, labelled the same way) gives the estimator's own
+   spread on this machine, measured in the same run. The probe thread runs in both halves: it wakes twice a second, which is measured apart (its cost
    per wake-up x 2 per second).
 2. **torch's Flight Recorder** on gloo (``TORCH_FR_BUFFER_SIZE=256``, which cannot be switched
    inside a job): jobs with it and without it alternate; the ratio is of the medians over jobs.
 
 Usage::
 
-    python benchmarks/bench_collective_record.py [--steps 2000] [--block 2] [--jobs 6]
+    python benchmarks/bench_collective_record.py [--steps 2000] [--block 2] [--jobs 6] [--width 256]
 """
 
 from __future__ import annotations
@@ -44,16 +45,18 @@ import devicekit as dk
 from devicekit.parallel import collective_log
 dk.dist.init()
 torch.manual_seed(0)
+width = int(sys.argv[5])
 model = nn.parallel.DistributedDataParallel(nn.Sequential(
-    nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
+    nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(64, 64), torch.randn(64, 1)
-steps, block, toggle = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "toggle"
+steps, block, toggle = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] in ("toggle", "same")
+same = sys.argv[4] == "same"  # the A/A control: blocks labelled on/off, recording on in both
 state = collective_log._state
 times, kinds = [], []
 for step in range(steps):
     on = state is not None and (not toggle or (step // block) % 2 == 0)
-    collective_log._state = state if on else None
+    collective_log._state = state if on or same else None
     start = time.perf_counter()
     opt.zero_grad()
     loss = nn.functional.mse_loss(model(x), y)
@@ -90,7 +93,7 @@ print(min(timeit.repeat(wake, number=runs, repeat=5)) / runs)
 """
 
 
-def job(script: Path, args: argparse.Namespace, toggle: bool, flight_recorder: bool,
+def job(script: Path, args: argparse.Namespace, toggle: bool | str, flight_recorder: bool,
         workdir: Path) -> dict:
     from devicekit.jobs.launch import free_port
 
@@ -111,7 +114,7 @@ def job(script: Path, args: argparse.Namespace, toggle: bool, flight_recorder: b
         pin = ["taskset", "-c", str(rank % cores)] if args.pin and cores >= 2 and _has_taskset() else []
         procs.append(subprocess.Popen(
             [*pin, sys.executable, str(script), str(out), str(args.steps), str(args.block),
-             "toggle" if toggle else "on"],
+             toggle if isinstance(toggle, str) else ("toggle" if toggle else "on"), str(args.width)],
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     codes = [p.wait(timeout=600) for p in procs]
     if codes != [0, 0] or not out.exists():
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="DDP steps per job")
     parser.add_argument("--block", type=int, default=2, help="steps per on/off block")
     parser.add_argument("--pin", action="store_true", help="pin each rank to a core of its own")
+    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP (step size)")
     parser.add_argument("--toggle-jobs", type=int, default=2, help="jobs of the on/off measurement")
     parser.add_argument("--jobs", type=int, default=6, help="jobs of each kind (Flight Recorder)")
     parser.add_argument("--fr-steps", type=int, default=600, help="DDP steps per Flight Recorder job")
@@ -140,17 +144,19 @@ def main() -> None:
         workdir = Path(tmp)
         script = workdir / "workload.py"
         script.write_text(WORKLOAD)
-        pairs: list[float] = []
+        pairs: dict[str, list[float]] = {"toggle": [], "same": []}
         on_blocks: list[float] = []
         off_blocks: list[float] = []
         for _ in range(args.toggle_jobs):
-            blocks = job(script, args, toggle=True, flight_recorder=False, workdir=workdir)["blocks"]
-            for (first_on, first), (second_on, second) in zip(blocks, blocks[1:]):  # noqa: B905
-                if first_on != second_on:  # every neighbouring pair: (on, off) and (off, on)
-                    on, off = (first, second) if first_on else (second, first)
-                    pairs.append(on / off)
-                    on_blocks.append(on)
-                    off_blocks.append(off)
+            for kind in ("toggle", "same"):
+                blocks = job(script, args, toggle=kind, flight_recorder=False, workdir=workdir)["blocks"]
+                for (first_on, first), (second_on, second) in zip(blocks, blocks[1:]):  # noqa: B905
+                    if first_on != second_on:  # every neighbouring pair: (on, off) and (off, on)
+                        on, off = (first, second) if first_on else (second, first)
+                        pairs[kind].append(on / off)
+                        if kind == "toggle":
+                            on_blocks.append(on)
+                            off_blocks.append(off)
         medians: dict[str, list[float]] = {"off": [], "on": []}
         for i in range(args.jobs):
             for kind in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -163,14 +169,16 @@ def main() -> None:
     step = statistics.median(off_blocks)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores,"
           f" load average {os.getloadavg()[0]:.2f}; 2 gloo ranks{' (pinned)' if args.pin else ''},"
-          " a small MLP under DDP"
+          f" an MLP of width {args.width} under DDP"
           " + one loss all_reduce per step")
     print("| what | anchor | with | ratio |")
     print("| --- | --- | --- | --- |")
     print(f"| devicekit's record, in-job on/off blocks of {args.block} steps"
-          f" ({len(pairs)} pairs, {args.toggle_jobs} jobs): median of pair ratios"
+          f" ({len(pairs['toggle'])} pairs, {args.toggle_jobs} jobs): median of pair ratios"
           f" | {step * 1e3:.3f} ms/step | {statistics.median(on_blocks) * 1e3:.3f} ms/step"
-          f" | {statistics.median(pairs):.3f} |")
+          f" | {statistics.median(pairs['toggle']):.3f} |")
+    print(f"| the same with recording on in both halves (A/A control: the estimator's floor,"
+          f" {len(pairs['same'])} pairs) | - | - | {statistics.median(pairs['same']):.3f} |")
     probe_share = wake * 2 / 1.0  # two wake-ups a second
     print(f"| the probe thread: one wake-up {wake * 1e6:.1f} us, 2 per second | - | - |"
           f" {1 + probe_share:.4f} |")
