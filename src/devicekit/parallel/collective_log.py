@@ -96,8 +96,8 @@ def start_from_environment(rank: int, timeout: float | None = None) -> bool:
 def flight_recorder_for(backend: object) -> bool:
     """Before ``init_process_group``: switch torch's Flight Recorder on where the launcher asked
     (``DEVICEKIT_FLIGHT_RECORDER``), the group uses NCCL and the user set no buffer size of their
-    own; True if switched on. Not on gloo: devicekit's own record covers it, and the Flight
-    Recorder slows a gloo step by several percent (docs/benchmarks.md)."""
+    own; True if switched on. Not on gloo: there it adds only DDP's bucket all-reduces to
+    devicekit's own record, at a cost that measured 0.90x-1.30x a step (docs/benchmarks.md)."""
     entries = os.environ.get(FLIGHT_RECORDER_ENV, "")
     if not entries.isdigit() or {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
         return False
