@@ -2,7 +2,7 @@
 
 Two ways out, both used by devicekit (the cause is in :mod:`devicekit.teardown`):
 
-* :func:`settle_backend_threads` (from :mod:`devicekit.teardown`) waits, bounded, until torch's
+* ``settle_backend_threads`` (:mod:`devicekit.teardown`) waits, bounded, until torch's
   gloo worker threads are idle, so none frees a work during the teardown: ``import devicekit``
   registers it at exit and ``dk.dist.destroy()`` calls it.
 * :func:`exit_without_teardown` runs the exit work that matters (``atexit`` handlers,
@@ -24,9 +24,7 @@ import atexit
 import os
 import sys
 
-from devicekit.teardown import settle_at_exit, settle_backend_threads
-
-__all__ = ["exit_without_teardown", "settle_backend_threads", "settle_at_exit"]
+__all__ = ["exit_without_teardown"]
 
 
 def exit_without_teardown(code: int = 0) -> None:

@@ -31,14 +31,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
 from devicekit.parallel import collective_log
-from devicekit.parallel.clean_exit import (
-    exit_without_teardown,
-    settle_at_exit,
-    settle_backend_threads,
-)
+from devicekit.parallel.clean_exit import exit_without_teardown
 from devicekit.parallel.environments import DistEnv, detect_environment
 from devicekit.parallel.environments.base import check_resolvable, is_loopback
 from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
+from devicekit.teardown import settle_backend_threads
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +188,6 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
             f"cannot join the process group at {facts.master_addr}:{facts.master_port} as"
             f" {facts.describe()}: {first}"
         ) from exc
-    settle_at_exit()  # a script that never calls destroy() cannot abort at exit either
 
     # under devicekit run / dk.launch: this rank records its collectives for the hang doctor
     collective_log.start_from_environment(facts.rank, collective_log.group_timeout(span, name))
@@ -216,7 +212,7 @@ def _publish_torchrun_variables(facts: DistEnv) -> None:
 def destroy() -> None:
     """Tear the default process group down if there is one (safe to call twice), then wait for
     torch's gloo worker threads to settle, so the interpreter's exit cannot abort in them
-    (see :mod:`devicekit.parallel.clean_exit`)."""
+    (see :mod:`devicekit.teardown`; ``import devicekit`` also waits at exit)."""
     if is_initialized():
         import torch.distributed as tdist
 

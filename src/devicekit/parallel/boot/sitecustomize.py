@@ -5,8 +5,8 @@ on (this directory leads ``PYTHONPATH``): a script that calls torch's own
 Nothing of torch or devicekit is imported here. An import hook waits for
 ``torch.distributed.distributed_c10d`` and wraps its ``init_process_group``: before it runs,
 torch's Flight Recorder is switched on for NCCL groups (where the launcher asked for it and the
-user did not choose); after it, :mod:`devicekit.parallel.collective_log` starts and
-:func:`devicekit.teardown.settle_at_exit` is registered. A failure of the hook never
+user did not choose); after it, :mod:`devicekit.parallel.collective_log` starts (importing devicekit also
+registers :mod:`devicekit.teardown`'s wait at exit). A failure of the hook never
 stops the user's script. A ``sitecustomize`` the environment had before runs next, as usual.
 
 Usage: none; ``python -c 'import sitecustomize'`` with ``DEVICEKIT_HANG_DIR`` set installs it.
@@ -71,11 +71,8 @@ def _wrap(c10d: Any) -> None:
         result = original(*args, **kwargs)
         if collective_log is not None:
             try:
-                from devicekit.teardown import settle_at_exit
-
                 collective_log.start_from_environment(
                     c10d.get_rank(), collective_log.group_timeout(kwargs.get("timeout"), backend))
-                settle_at_exit()
             except Exception:  # noqa: BLE001, S110 - recording is a help, never a failure
                 pass
         return result
