@@ -7,7 +7,7 @@ runs through three schedulers on a virtual clock (simulated time, not wall time)
 - ``polling`` (the anchor: devicekit before the queue, ``--wait`` polls): whenever GPUs free up,
   the waiting jobs look in random order (their polling phases) and each takes GPUs if enough
   are free at that moment.
-- ``queue``: the decision the queue uses (:func:`devicekit.hardware.queue_order.decide`) at
+- ``queue``: the decision the queue uses (:func:`devicekit.sharing.queue_order.decide`) at
   every arrival and end: FIFO, reservations for earlier tickets, EASY backfill of jobs whose
   declared limit ends before the reserving ticket could start (holders without a limit count
   as freeing at once).
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from devicekit.hardware.queue_order import Busy, Waiting, decide  # noqa: E402
+from devicekit.sharing.queue_order import Busy, Waiting, decide  # noqa: E402
 
 GPUS = [f"GPU-{i}" for i in range(8)]
 SIZES = (1, 2, 4, 8)

@@ -122,7 +122,7 @@ def main() -> None:
 
     sys.path.insert(0, str(SRC))
     from devicekit.hardware import inventory
-    from devicekit.hardware.selection import select_gpus
+    from devicekit.selection.choose import select_gpus
 
     inventory._cache.clear()
 

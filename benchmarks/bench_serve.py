@@ -117,9 +117,9 @@ def latency_and_cpu(host: str, port: int, server: psutil.Process, scrapes: int,
 def on_demand_vs_cached(sim_path: str, rounds: int) -> dict[str, float]:
     """Server-side work per scrape: building the document on demand vs handing out the cache."""
     os.environ["DEVICEKIT_SIMULATE"] = sim_path
-    from devicekit.hardware.status import collect_status
-    from devicekit.serve.metrics import render_metrics
+    from devicekit.serve.prometheus import render_metrics
     from devicekit.serve.sampler import Sampler
+    from devicekit.sharing.machine_status import collect_status
 
     sampler = Sampler(3600)
     sampler.start()

@@ -17,8 +17,10 @@ import devicekit
 SRC = Path(devicekit.__file__).resolve().parent
 #: floors from the ground up; a file may import its own floor and those below
 FLOORS = [
-    {"errors", "units", "moved", "teardown"},
-    {"hardware", "placement"},
+    {"errors", "units", "moved", "teardown", "version"},
+    {"hardware"},
+    {"sharing"},
+    {"selection", "placement"},
     {"memory", "measure"},
     {"parallel", "modelparallel"},
     {"jobs"},
@@ -91,6 +93,21 @@ def test_no_import_runs_up_a_floor() -> None:
     assert not up, "imports from a lower wing to a higher one:\n" + "\n".join(sorted(up))
 
 
+def test_no_wing_imports_the_front_door() -> None:
+    """``from devicekit import X`` inside a wing below the front doors runs up to the top package
+    (which imports every wing lazily): take X from the module that defines it."""
+    front = []
+    for name, path in _modules().items():
+        if name == "devicekit" or _wing(name) == "__main__" or _floor(_wing(name)) == len(FLOORS) - 1:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "devicekit":
+                front.append(f"{name}: from devicekit import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Import) and any(a.name == "devicekit" for a in node.names):
+                front.append(f"{name}: import devicekit")
+    assert not front, "wings importing the front door:\n" + "\n".join(sorted(front))
+
+
 def test_no_two_files_import_each_other() -> None:
     graph = _graph()
     index: dict[str, int] = {}
@@ -123,10 +140,21 @@ def test_no_two_files_import_each_other() -> None:
     assert not circles, f"import circles: {circles}"
 
 
-def test_hardware_imports_no_torch_and_no_other_wing() -> None:
-    code = ("import sys, devicekit.hardware, devicekit.hardware.status, devicekit.hardware.table\n"
+GROUND = ("errors", "units", "moved", "teardown", "version")
+
+
+@pytest.mark.parametrize("modules,allowed", [
+    ("devicekit.hardware, devicekit.hardware.inventory, devicekit.hardware.capability, "
+     "devicekit.hardware.torch_checks", ("hardware",)),
+    ("devicekit.sharing, devicekit.sharing.machine_status, devicekit.sharing.status_table, "
+     "devicekit.sharing.doctor_checks, devicekit.sharing.queue_turn", ("hardware", "sharing")),
+    ("devicekit.selection, devicekit.selection.choose", ("hardware", "sharing", "selection")),
+])
+def test_status_wings_import_no_torch_and_no_wing_above(modules: str, allowed: tuple[str, ...]) -> None:
+    """``status``, ``select`` and ``doctor`` start fast and work where torch is broken."""
+    code = (f"import sys, {modules}\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or (m.startswith('devicekit.') and\n"
-            "    m.split('.')[1] not in ('hardware', 'errors', 'units', 'moved', 'teardown')))\n"
+            f"    m.split('.')[1] not in {(*GROUND, *allowed)!r}))\n"
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -144,7 +172,31 @@ OLD_PATHS = {
     "devicekit.parallel.threads": "devicekit.jobs.threads",
     "devicekit.parallel.advise": "devicekit.strategy.advise",
     "devicekit.parallel.equivalence": "devicekit.strategy.equivalence",
+    # the sharing wing split off hardware; names that meant two things renamed
+    **{f"devicekit.hardware.{name}": f"devicekit.sharing.{name}" for name in (
+        "lease_directory", "device_locks", "live_holder", "lease_records", "leases",
+        "lock_squatting", "stopped_jobs", "tickets", "queue_order", "queue_state", "queue_turn",
+        "policy", "fair_share")},
+    "devicekit.hardware.status": "devicekit.sharing.machine_status",
+    "devicekit.hardware.table": "devicekit.sharing.status_table",
+    "devicekit.hardware.checks": "devicekit.sharing.doctor_checks",
+    "devicekit.hardware.check": "devicekit.hardware.check_result",
+    "devicekit.hardware.selection": "devicekit.selection",
+    "devicekit.hardware.waiting": "devicekit.selection.waiting",
+    "devicekit.hardware.exclude": "devicekit.selection.exclude",
+    "devicekit.memory.table": "devicekit.memory.usage_table",
+    "devicekit.measure.run": "devicekit.measure.bench_runner",
+    "devicekit.measure.table": "devicekit.measure.bench_table",
+    "devicekit.placement.metrics": "devicekit.placement.metric_log",
+    "devicekit.serve.metrics": "devicekit.serve.prometheus",
 }
+
+
+def test_old_hardware_selection_still_gives_select_gpus() -> None:
+    sys.modules.pop("devicekit.hardware.selection", None)
+    with pytest.warns(DeprecationWarning):
+        from devicekit.hardware.selection import Selection, select_gpus
+    assert select_gpus is devicekit.select_gpus and Selection is devicekit.Selection
 
 
 @pytest.mark.parametrize("old,new", sorted(OLD_PATHS.items()))
@@ -165,7 +217,7 @@ def test_old_from_import_of_a_name_works() -> None:
 
 
 def test_show_utilization_old_place_warns_and_works() -> None:
-    import devicekit.hardware.table as table
+    import devicekit.sharing.status_table as table
 
     with pytest.warns(DeprecationWarning, match="devicekit.memory.utilization"):
         fn = table.show_utilization

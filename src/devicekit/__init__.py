@@ -20,12 +20,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 # Any process that imports devicekit waits at exit, before the interpreter's teardown, for
 # torch's gloo worker threads to free their last works: otherwise one of them can abort the
 # process after its work is done (devicekit.teardown says why). Standard library only.
 from devicekit.teardown import settle_at_exit as _settle_at_exit  # noqa: E402
+from devicekit.version import __version__  # noqa: F401  (devicekit.__version__)
 
 _settle_at_exit()
 
@@ -68,11 +67,11 @@ _EXPORTS: dict[str, str] = {
     "host": "devicekit.hardware.host:host",
     "show_utilization": "devicekit.memory.utilization:show_utilization",
     # choosing devices
-    "select_gpus": "devicekit.hardware.selection:select_gpus",
-    "Selection": "devicekit.hardware.selection:Selection",
-    "Lease": "devicekit.hardware.leases:Lease",
-    "LeaseRecord": "devicekit.hardware.leases:LeaseRecord",
-    "read_leases": "devicekit.hardware.leases:read_leases",
+    "select_gpus": "devicekit.selection.choose:select_gpus",
+    "Selection": "devicekit.selection.result:Selection",
+    "Lease": "devicekit.sharing.leases:Lease",
+    "LeaseRecord": "devicekit.sharing.leases:LeaseRecord",
+    "read_leases": "devicekit.sharing.leases:read_leases",
     "visible_devices": "devicekit.hardware.visible:visible_devices",
     "try_gpu": "devicekit.placement.devices:try_gpu",
     "try_all_gpus": "devicekit.placement.devices:try_all_gpus",
@@ -88,8 +87,8 @@ _EXPORTS: dict[str, str] = {
     "mixed_precision": "devicekit.placement.precision:mixed_precision",
     "performance_mode": "devicekit.placement.modes:performance_mode",
     "deterministic_mode": "devicekit.placement.modes:deterministic_mode",
-    "RunningMean": "devicekit.placement.metrics:RunningMean",
-    "MetricLog": "devicekit.placement.metrics:MetricLog",
+    "RunningMean": "devicekit.placement.metric_log:RunningMean",
+    "MetricLog": "devicekit.placement.metric_log:MetricLog",
     "sync_guard": "devicekit.placement.sync_guard:sync_guard",
     # memory
     "memory": "devicekit.memory",
@@ -131,7 +130,7 @@ _EXPORTS: dict[str, str] = {
     "shard": "devicekit.parallel.shard:shard",
     "DeferredBatchNorm": "devicekit.modelparallel.batchnorm:DeferredBatchNorm",
     # device speed
-    "bench": "devicekit.measure.run:bench",
+    "bench": "devicekit.measure.bench_runner:bench",
     "BenchReport": "devicekit.measure.report:BenchReport",
 }
 
@@ -158,4 +157,5 @@ if TYPE_CHECKING:  # static re-exports for type checkers and IDEs
     from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice  # noqa: F401
     from devicekit.hardware.host import Host, host  # noqa: F401
     from devicekit.hardware.inventory import gpus  # noqa: F401
-    from devicekit.hardware.selection import Selection, select_gpus  # noqa: F401
+    from devicekit.selection.result import Selection  # noqa: F401
+    from devicekit.selection.choose import select_gpus  # noqa: F401

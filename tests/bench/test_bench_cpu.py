@@ -49,7 +49,7 @@ def test_api_report_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "measurements done" in capsys.readouterr().err  # progress said something
     from io import StringIO
 
-    from devicekit.measure.table import render_report
+    from devicekit.measure.bench_table import render_report
 
     out = StringIO()
     render_report(report, out)

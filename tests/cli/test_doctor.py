@@ -72,10 +72,10 @@ def test_mixed_models_with_indices_warn_only(simulate, capsys, monkeypatch):
 def test_cpu_torch_on_a_gpu_machine_fails(capsys, monkeypatch):
     import torch
 
-    from tests.hardware.fake_pynvml import FakeDevice, make_pynvml
+    from tests.hardware.fake_pynvml import FakeDevice, install_pynvml, make_pynvml
 
     monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setitem(sys.modules, "pynvml", make_pynvml([FakeDevice("GPU-1111")]))
+    install_pynvml(monkeypatch, make_pynvml([FakeDevice("GPU-1111")]))
     code, out, _ = run_cli(capsys)
     torch_line = next(x for x in out.splitlines() if x.split()[1] == "torch")
     assert code == 1 and torch_line.startswith("FAIL") and "CPU-only" in torch_line
@@ -93,10 +93,10 @@ def test_symlinked_lease_dir_fails(simulate, capsys, monkeypatch, tmp_path):
 
 
 def test_no_driver_is_a_warning(capsys, monkeypatch):
-    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, make_pynvml
+    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, install_pynvml, make_pynvml
 
     absent = make_pynvml([FakeDevice("GPU-1")], init_error=ERROR_CODES["NVML_ERROR_LIBRARY_NOT_FOUND"])
-    monkeypatch.setitem(sys.modules, "pynvml", absent)
+    install_pynvml(monkeypatch, absent)
     code, out, _ = run_cli(capsys, "--json")
     doc = json.loads(out)
     status = {c["name"]: c["status"] for c in doc["checks"]}
@@ -123,7 +123,7 @@ def test_no_torch_option_imports_no_torch(simulate):
 
 
 def test_each_check_is_printed_as_soon_as_it_has_run(simulate, capsys, monkeypatch):
-    from devicekit.hardware import checks as checks_module
+    from devicekit.sharing import doctor_checks as checks_module
 
     simulate([h100()])
     seen: list[str] = []

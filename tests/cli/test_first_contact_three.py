@@ -202,7 +202,7 @@ def test_status_warnings_are_one_line_each_in_a_pipe(tmp_path, monkeypatch, caps
     path = tmp_path / "gpus.json"
     path.write_text(json.dumps({"gpus": [h100()]}))
     monkeypatch.setenv("DEVICEKIT_SIMULATE", str(path))
-    from devicekit.hardware import status as status_mod
+    from devicekit.sharing import machine_status as status_mod
 
     real = status_mod.collect_status
 

@@ -7,7 +7,7 @@ import pytest
 
 import devicekit as dk
 from devicekit.cli.main import main
-from devicekit.hardware.leases import Lease, read_leases
+from devicekit.sharing.leases import Lease, read_leases
 from tests.conftest import h100
 
 SRC = str(Path(dk.__file__).parents[1])

@@ -16,7 +16,7 @@ import pytest
 
 import devicekit as dk
 from devicekit.cli.main import main
-from devicekit.hardware.leases import Lease
+from devicekit.sharing.leases import Lease
 from tests.conftest import h100
 
 SRC = str(Path(dk.__file__).parents[1])
@@ -109,12 +109,12 @@ def test_bad_watch_value_one_line(two, capsys, value):
 
 
 def test_driver_failure_exit_2(two, capsys, monkeypatch):
-    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, make_pynvml
+    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, install_pynvml, make_pynvml
 
     monkeypatch.delenv("DEVICEKIT_SIMULATE")
     broken = make_pynvml([FakeDevice("GPU-1")],
                          init_error=ERROR_CODES["NVML_ERROR_LIB_RM_VERSION_MISMATCH"])
-    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    install_pynvml(monkeypatch, broken)
     code, out, err = run_cli(capsys, "--json")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("devicekit: ") and "version mismatch" in err
@@ -129,10 +129,10 @@ def test_malformed_simulation_file_one_line(simulate, capsys):
 
 
 def test_no_driver_shows_no_gpus(capsys, monkeypatch):
-    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, make_pynvml
+    from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, install_pynvml, make_pynvml
 
     absent = make_pynvml([FakeDevice("GPU-1")], init_error=ERROR_CODES["NVML_ERROR_LIBRARY_NOT_FOUND"])
-    monkeypatch.setitem(sys.modules, "pynvml", absent)
+    install_pynvml(monkeypatch, absent)
     code, out, _ = run_cli(capsys, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["backend"] == "none" and doc["gpus"] == []

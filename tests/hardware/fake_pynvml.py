@@ -275,3 +275,17 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
     mod.nvmlDeviceGetGraphicsRunningProcesses = nvmlDeviceGetGraphicsRunningProcesses
 
     return mod
+
+
+def install_pynvml(monkeypatch: Any, module: Any) -> None:
+    """Make ``module`` the ``pynvml`` that devicekit imports, for this test, and switch off the
+    empty GPU simulation every test starts on (tests/conftest.py), so NVML is what is read; its
+    GPUs are visible (``CUDA_VISIBLE_DEVICES`` unset), as on a machine that has them."""
+    import sys
+
+    from devicekit.hardware import inventory
+
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("DEVICEKIT_SIMULATE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    inventory._cache.clear()

@@ -116,7 +116,7 @@ def test_cli_select_order_fastest(simulate: Callable[..., Path]) -> None:
 
 def test_doctor_warns_on_mixed_models_and_says_what_devicekit_does(
         simulate: Callable[..., Path]) -> None:
-    from devicekit.hardware.checks import check_gpus, take_inventory
+    from devicekit.sharing.doctor_checks import check_gpus, take_inventory
 
     simulate(mixed_machine())
     check = check_gpus(take_inventory())

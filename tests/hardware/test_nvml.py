@@ -5,7 +5,6 @@ from __future__ import annotations
 import getpass
 import inspect
 import os
-import sys
 
 import psutil
 import pytest
@@ -19,6 +18,7 @@ from tests.hardware.fake_pynvml import (
     GPU_IS_LOST,
     NOT_SUPPORTED,
     FakeDevice,
+    install_pynvml,
     make_pynvml,
 )
 
@@ -32,7 +32,7 @@ def fake_nvml(monkeypatch):
 
     def install(devices, **options):
         module = make_pynvml(devices, **options)
-        monkeypatch.setitem(sys.modules, "pynvml", module)
+        install_pynvml(monkeypatch, module)
         inventory._cache.clear()
         return module
 
@@ -159,7 +159,7 @@ def test_no_driver_means_no_gpus(fake_nvml, code):
 
 
 def test_missing_pynvml_package_means_no_gpus(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # "import pynvml" raises ImportError
+    install_pynvml(monkeypatch, None)  # "import pynvml" raises ImportError
     with pytest.raises(NVMLNotFound, match="nvidia-ml-py"):
         NVMLBackend()
     assert inventory.gpus() == []
@@ -227,7 +227,7 @@ def test_bytes_from_old_bindings_are_decoded(fake_nvml):
 
 
 def test_gpu_fenced_off_by_a_job_allocation_is_left_out(fake_nvml):
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     module = fake_nvml([FakeDevice(UUID0), FakeDevice(UUID1), FakeDevice("GPU-3")])
     original = module.nvmlDeviceGetHandleByIndex

@@ -141,7 +141,7 @@ def test_order_warning_is_given_once_at_the_callers_line(simulate, monkeypatch):
 
 
 def test_order_warning_left_to_doctor_is_still_given_later(mixed, monkeypatch):
-    from devicekit.hardware.checks import Inventory, check_visible_devices
+    from devicekit.sharing.doctor_checks import Inventory, check_visible_devices
 
     env = {"CUDA_VISIBLE_DEVICES": "0"}
     with warnings.catch_warnings():

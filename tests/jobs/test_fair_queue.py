@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from devicekit.hardware.lease_directory import lease_dir
-from devicekit.hardware.tickets import TicketRecord, read_tickets
+from devicekit.sharing.lease_directory import lease_dir
+from devicekit.sharing.tickets import TicketRecord, read_tickets
 from tests.conftest import h100
 from tests.ranks import child_env, devicekit_command
 
@@ -77,7 +77,7 @@ def ticket_of(pid: int, state: str = "waiting", timeout: float = 60.0) -> Ticket
 
 
 def _hold(count: int, ready: str) -> None:
-    from devicekit.hardware.selection import select_gpus
+    from devicekit.selection.choose import select_gpus
 
     select_gpus(count)
     Path(ready).write_text("held")

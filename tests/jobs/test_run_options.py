@@ -154,7 +154,7 @@ def test_run_takes_selects_filters(capsys: pytest.CaptureFixture[str], three_gpu
 
 
 def test_dry_run_holds_no_lease(capsys: pytest.CaptureFixture[str], three_gpus: Path) -> None:
-    from devicekit.hardware.leases import read_leases
+    from devicekit.sharing.leases import read_leases
 
     code, _, err = dry_run(capsys, "--gpus", "1")
     assert code == 0 and "leases are released" in err

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 import devicekit as dk
-from devicekit.hardware.leases import read_leases
 from devicekit.jobs.allocation import allocate
+from devicekit.sharing.leases import read_leases
 from tests.conftest import h100
 from tests.ranks import child_env, devicekit_command, pid_written
 
@@ -114,7 +114,7 @@ def test_launch_plans_for_each_devices_mode(four_gpus: Path,
 LEASE_PROBE = textwrap.dedent(
     """
     import json, os
-    from devicekit.hardware.leases import read_leases
+    from devicekit.sharing.leases import read_leases
     print(json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                       "ranks": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")],
                       "leased": [r.gpu_uuid for r in read_leases()],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -243,15 +244,16 @@ def test_no_warning_where_no_gpu_was_given(monkeypatch, recwarn) -> None:
 def test_run_refuses_to_lease_real_gpus_for_a_cpu_only_torch(simulate, monkeypatch) -> None:
     import devicekit as dk
     from devicekit.errors import LaunchError
-    from devicekit.hardware.checks import Inventory
-    from devicekit.hardware.leases import read_leases
     from devicekit.parallel import run as run_module
+    from devicekit.sharing.doctor_checks import Inventory
+    from devicekit.sharing.leases import read_leases
     from tests.conftest import h100
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     simulate([h100(), h100()])
     real = Inventory("nvml", tuple(dk.gpus()), "550.54", "12.4")
     monkeypatch.setattr(run_module, "take_inventory", lambda: real)
+    monkeypatch.setattr(run_module, "backend", lambda: types.SimpleNamespace(name="nvml"))
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(LaunchError, match="2 GPU.s. leased but torch cannot use them: .*CPU-only"):
         run_module.plan_run(run_module.RunRequest(gpus="all", command=["python", "-c", "pass"]))

@@ -96,7 +96,7 @@ def test_metric_log_errors_and_reset() -> None:
 def test_device_history_chunks_keep_order_across_numbers_and_dtypes() -> None:
     """The accelerator path of MetricLog (list of 0-d tensors stacked in chunks), driven with
     CPU tensors since this machine has no accelerator."""
-    from devicekit.placement.metrics import _CHUNK, _History
+    from devicekit.placement.metric_log import _CHUNK, _History
 
     history = _History()
     expected: list[float] = [0.5, 1.5]

@@ -61,4 +61,4 @@ def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     return run
 
 
-from tests.hardware.conftest import spawn, wait_line  # noqa: E402,F401  (shared fixtures)
+from tests.children import wait_line  # noqa: E402,F401  (shared helpers)

@@ -12,11 +12,11 @@ import pytest
 
 import devicekit as dk
 from devicekit.errors import LeaseError
-from devicekit.hardware.leases import Lease, directory_lock, lease_dir, read_leases
-from devicekit.hardware.selection import select_gpus
-from devicekit.hardware.status import collect_status
+from devicekit.selection.choose import select_gpus
+from devicekit.sharing.leases import Lease, directory_lock, lease_dir, read_leases
+from devicekit.sharing.machine_status import collect_status
+from tests.children import wait_line
 from tests.conftest import h100
-from tests.hardware.conftest import wait_line
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another user")
 
@@ -78,7 +78,7 @@ def test_symlinked_lock_file_refused():
 OTHER_USER = """
 import json, os, sys, time
 from devicekit.errors import LeaseError
-from devicekit.hardware.leases import Lease, lease_dir, read_leases
+from devicekit.sharing.leases import Lease, lease_dir, read_leases
 os.setgid(65534)
 os.setuid(65534)  # from here on this process is another, unprivileged user
 out = {"seen": [(r.gpu_uuid, r.user) for r in read_leases()]}
@@ -137,7 +137,7 @@ def test_a_lease_swapped_for_a_fifo_does_not_hang_readers(tmp_path):
     read; opening that FIFO for reading would block select_gpus under the directory lock."""
     import threading
 
-    from devicekit.hardware import lease_records as leases_module
+    from devicekit.sharing import lease_records as leases_module
 
     path = lease_dir()
     fifo = path / "GPU-x.1.abc.lease"

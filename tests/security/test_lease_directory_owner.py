@@ -69,7 +69,7 @@ def test_cli_run_select_refuse_and_doctor_fails(foreign_dir, simulate, run_cli):
 
 ATTACK = """
 import os, sys, time
-from devicekit.hardware.leases import Lease, lease_dir
+from devicekit.sharing.leases import Lease, lease_dir
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 taken = []
 for name in os.listdir(lease_dir()):       # the owner deletes every lease file ...
@@ -86,7 +86,7 @@ except Exception as exc:
 
 def test_owner_cannot_double_book_a_victims_gpu(foreign_dir):
     """Today's victim never gets a lease there, so the owner's attack finds nothing to steal."""
-    from devicekit.hardware.leases import Lease
+    from devicekit.sharing.leases import Lease
 
     with pytest.raises(LeaseError, match="owned by"):
         Lease.acquire(["GPU-victim"])
@@ -98,7 +98,7 @@ def test_owner_cannot_double_book_a_victims_gpu(foreign_dir):
 
 
 def test_root_owned_shared_directory_still_works(shared_dir, monkeypatch):
-    from devicekit.hardware.leases import Lease, read_leases
+    from devicekit.sharing.leases import Lease, read_leases
 
     monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(shared_dir))
     with Lease.acquire(["GPU-x"]):

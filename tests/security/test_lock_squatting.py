@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from devicekit.hardware.device_locks import lock_path
-from devicekit.hardware.lease_directory import lease_dir
+from devicekit.sharing.device_locks import lock_path
+from devicekit.sharing.lease_directory import lease_dir
 from tests.conftest import h100
 from tests.security.conftest import OTHER_UID, needs_root, src_env
 
@@ -58,7 +58,7 @@ def test_squatted_gpu_is_blocked_in_status_doctor_and_select(how, simulate, run_
 
 MODE_000 = """
 import json, os, sys
-from devicekit.hardware.lock_squatting import blocked_devices
+from devicekit.sharing.lock_squatting import blocked_devices
 from pathlib import Path
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 print(json.dumps(blocked_devices(Path(sys.argv[1]), ["GPU-a", "GPU-b"])))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from devicekit.hardware.leases import read_leases
+from devicekit.sharing.leases import read_leases
 from tests.conftest import h100
 from tests.security.conftest import src_env
 
@@ -110,7 +110,7 @@ def test_process_tree_spares_the_callers_own_children():
 
 HOLD_AND_EXIT = """
 import os, sys, time
-from devicekit.hardware.leases import Lease
+from devicekit.sharing.leases import Lease
 lease = Lease.acquire(["GPU-a"], command="python train.py")
 child = os.fork()
 if child == 0:                       # inherits the locked lease file: the GPU stays held
@@ -122,7 +122,7 @@ os._exit(0)                          # the pid the lease names is gone
 
 
 def test_holder_named_is_the_live_process_not_the_dead_one(spawn):
-    from devicekit.hardware.lease_records import read_leases as records
+    from devicekit.sharing.lease_records import read_leases as records
 
     proc = spawn(HOLD_AND_EXIT)
     survivor = int(proc.stdout.readline())

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from devicekit.hardware.leases import Lease
 from devicekit.hardware.printable import printable
+from devicekit.sharing.leases import Lease
 from tests.conftest import h100
 from tests.security.conftest import src_env
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import devicekit as dk
-from devicekit.hardware.leases import Lease
+from devicekit.sharing.leases import Lease
 from devicekit.serve import StatusServer
 from tests.serve.conftest import machine
 

@@ -58,7 +58,7 @@ def test_fifty_concurrent_clients_all_answered(simulate):
 def test_requests_never_wait_for_a_slow_sample(simulate):
     """A sample that hangs in the driver holds up the sampler only, never a request."""
     simulate(machine())
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     release = threading.Event()
     calls = []
@@ -83,7 +83,7 @@ def test_requests_never_wait_for_a_slow_sample(simulate):
 
 def test_a_failed_sample_keeps_the_last_good_one_and_says_so(simulate):
     simulate(machine())
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     broken = threading.Event()
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devicekit.hardware import inventory
 from devicekit.serve import StatusServer
-from tests.hardware.fake_pynvml import FakeDevice, make_pynvml
+from tests.hardware.fake_pynvml import FakeDevice, install_pynvml, make_pynvml
 from tests.serve.conftest import get, get_json
 
 GPU0 = "GPU-5d9b2f4e-1111-2222-3333-444455556666"
@@ -27,7 +27,7 @@ def test_nvml_numbers_reach_metrics_and_requests_make_no_nvml_call(monkeypatch):
         FakeDevice(GPU1, name="NVIDIA A100-SXM4-80GB", bus_id="00000000:18:00.0",
                    mig_mode=(1, 1), mig_slots=mig),
     ])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    install_pynvml(monkeypatch, fake)
     inventory._cache.clear()
     with StatusServer("127.0.0.1", 0, interval=3600) as server:  # one sample, at start
         doc = get_json(server)

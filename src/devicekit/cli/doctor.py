@@ -1,7 +1,7 @@
 """``devicekit doctor``: pass/warn/fail lines for the driver, torch, NCCL, variables and leases.
 
 Each check is printed as soon as it has run; on a terminal the status is coloured and a
-status line shows while checks run. Formatting only: the checks live in :mod:`devicekit.hardware.checks`. Exit code 0 when nothing
+status line shows while checks run. Formatting only: the checks live in :mod:`devicekit.sharing.doctor_checks`. Exit code 0 when nothing
 failed (warnings allowed), 1 when any check failed. ``--json`` prints
 ``{"schema": 1, "ok": ..., "summary": {...}, "checks": [{"name", "status", "message"}]}``.
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from devicekit.hardware.checks import Check
+    from devicekit.sharing.doctor_checks import Check
 
 __all__ = ["command"]
 
@@ -68,7 +68,7 @@ def command(as_json: bool, no_torch: bool) -> int:
     Each line is PASS, WARN, FAIL or SKIP (not applicable) and says what to do.
     Exit codes: 0 no check failed; 1 at least one failed.
     """
-    from devicekit.hardware.checks import iter_checks, run_checks, summarize
+    from devicekit.sharing.doctor_checks import iter_checks, run_checks, summarize
 
     if as_json:
         checks = run_checks(torch=not no_torch)

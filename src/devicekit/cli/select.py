@@ -17,7 +17,8 @@ import click
 
 from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
 from devicekit.hardware.printable import printable
-from devicekit.hardware.selection import ORDERS, select_gpus
+from devicekit.selection.gpu_request import ORDERS
+from devicekit.selection.choose import select_gpus
 from devicekit.units import format_size, parse_size
 
 __all__ = ["command"]

@@ -1,7 +1,7 @@
 """``devicekit status``: every GPU, its memory, utilization, processes, users and leases.
 
-Formatting only: the facts come from :func:`devicekit.hardware.status.collect_status`, the table
-from :func:`devicekit.hardware.table.render_status`, the JSON from ``StatusReport.to_dict``
+Formatting only: the facts come from :func:`devicekit.sharing.machine_status.collect_status`, the table
+from :func:`devicekit.sharing.status_table.render_status`, the JSON from ``StatusReport.to_dict``
 (schema in docs/cli.md). No torch import, so it starts fast.
 
 Usage::
@@ -61,7 +61,7 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
     Mem-BW the share of time memory was being read or written: neither is spare capacity.
     Exit codes: 0 shown; 1 bad option; 2 NVML or driver failure.
     """
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     if watch is None:
         report = collect_status()
@@ -101,7 +101,7 @@ def _console() -> Any:  # a rich Console (rich is imported lazily)
 
 
 def _render(report: Any, no_processes: bool) -> Any:
-    from devicekit.hardware.table import render_status
+    from devicekit.sharing.status_table import render_status
 
     return render_status(report, all_processes=not no_processes)
 
@@ -114,7 +114,7 @@ def _frames(count: int | None) -> Iterator[int]:
 
 
 def _watch_json(seconds: float, count: int | None) -> None:
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     for frame in _frames(count):
         if frame:
@@ -125,7 +125,7 @@ def _watch_json(seconds: float, count: int | None) -> None:
 def _watch_table(seconds: float, count: int | None, no_processes: bool) -> None:
     from rich.live import Live
 
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     console = _console()
     if not console.is_terminal:  # piped or captured: print each frame after the last

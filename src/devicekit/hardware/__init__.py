@@ -1,17 +1,35 @@
-"""What exists and who may use it: GPU inventory, host facts, device ordering, leases, selection.
+"""What exists: GPU inventory (NVML or simulated), MIG, host facts, device ordering, capability.
 
-Nothing in this package imports torch at module level, so ``devicekit status`` and ``select``
-start fast and work where torch is broken.
+Facts only: who holds a GPU and who is next lives one floor up in :mod:`devicekit.sharing`,
+choosing GPUs for a request in :mod:`devicekit.selection`. Nothing in this package imports torch
+at module level, so ``devicekit status`` and ``select`` start fast and work where torch is broken.
 
 May import: ``units``, ``errors`` (and ``moved``); never torch at module level, never another
-wing. Entry points: ``dk.gpus()``, ``dk.host()``, ``dk.select_gpus()``, ``collect_status()``
-(:mod:`.status`), ``run_checks()`` (:mod:`.checks`, ``devicekit doctor``).
+wing. Entry points: ``dk.gpus()`` (:mod:`.inventory`), ``dk.host()`` (:mod:`.host`),
+``visible_devices()`` (:mod:`.visible`), ``capabilities()`` (:mod:`.capability`).
+Tests: ``tests/hardware/`` (one ``test_<module>.py`` per module where it has its own).
 
 Usage::
 
     import devicekit as dk
 
     print([g.name for g in dk.gpus()])
-    with dk.select_gpus(2, min_free_memory="20GiB") as sel:
-        print(sel.cuda_visible_devices)
+    print(dk.host().usable_cpus)
 """
+
+from devicekit.moved import alias_modules
+
+# moved out when the sharing wing was split off (old paths work for one release, with a warning)
+alias_modules("devicekit.hardware", {
+    **{name: f"devicekit.sharing.{name}" for name in (
+        "lease_directory", "device_locks", "live_holder", "lease_records", "leases",
+        "lock_squatting", "stopped_jobs", "tickets", "queue_order", "queue_state", "queue_turn",
+        "policy", "fair_share")},
+    "status": "devicekit.sharing.machine_status",
+    "table": "devicekit.sharing.status_table",
+    "checks": "devicekit.sharing.doctor_checks",
+    "check": "devicekit.hardware.check_result",
+    "selection": "devicekit.selection",
+    "waiting": "devicekit.selection.waiting",
+    "exclude": "devicekit.selection.exclude",
+})

@@ -30,6 +30,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -94,8 +95,10 @@ KNOWN_GPUS: tuple[KnownGPU, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=256)
 def lookup(name: str) -> KnownGPU | None:
-    """The table's entry for the GPU NVML calls ``name``, or None for a model not in the table."""
+    """The table's entry for the GPU NVML calls ``name``, or None for a model not in the table
+    (remembered per name: a snapshot asks once per GPU, and a machine has few models)."""
     lowered = name.lower()
     for known in KNOWN_GPUS:
         if re.search(known.pattern, lowered):

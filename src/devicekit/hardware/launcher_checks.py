@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from devicekit.hardware.check import Check
+from devicekit.hardware.check_result import Check
 from devicekit.hardware.slurm_job import is_batch_script
 
 __all__ = ["check_launcher", "LAUNCHER_VARIABLES"]

@@ -8,7 +8,7 @@ older than :data:`TORCH_FLOOR` is a fail; newer than :data:`TORCH_NEWEST_TESTED`
 
 Usage::
 
-    from devicekit.hardware.check import take_inventory
+    from devicekit.hardware.check_result import take_inventory
     from devicekit.hardware.torch_checks import check_nccl, check_torch_build, check_torch_version
 
     print(check_torch_build(take_inventory()).message)
@@ -22,7 +22,7 @@ import os
 import re
 from typing import Any
 
-from devicekit.hardware.check import Check, Inventory
+from devicekit.hardware.check_result import Check, Inventory
 
 __all__ = [
     "check_torch_build", "check_torch_version", "check_nccl", "parse_cuda_version",

@@ -9,8 +9,8 @@ its rank processes (``launch``, ``rank_process``) and thread counts (``threads``
 What runs *inside* a rank (process group, DDP, FSDP) is :mod:`devicekit.parallel`, one floor down.
 (Named ``jobs``, not ``launch``, so that the package does not shadow the function ``dk.launch``.)
 
-May import: ``units``, ``errors``, ``hardware``, ``placement``, ``memory``, ``parallel``. Never
-``strategy``, ``cli``, ``integrations``.
+May import: ``units``, ``errors``, ``hardware``, ``sharing``, ``selection``, ``placement``,
+``memory``, ``parallel``. Never ``strategy``, ``cli``, ``integrations``. Tests: ``tests/jobs/``.
 
 Usage::
 

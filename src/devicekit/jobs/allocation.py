@@ -1,6 +1,6 @@
 """How many processes to start and which leased GPUs each one gets (for ``launch`` and ``run``).
 
-GPUs are chosen and leased in one step by ``devicekit.hardware.selection.select_gpus``; this
+GPUs are chosen and leased in one step by ``devicekit.selection.choose.select_gpus``; this
 module only decides the count and splits the selection into per-process groups. Where there
 are no GPUs and none were asked for explicitly, processes run on the CPU (gloo).
 ``plan_processes`` adds ``dk.launch``'s ``devices=`` modes: ``"cpu"`` (CPU ranks, nothing
@@ -101,7 +101,7 @@ def allocate(
     ``gpus``: a count, ``"all"`` (every GPU that passes the filters) or None (not asked).
     ``gpu_ids``: exactly these GPUs (indices or UUIDs), rank 0 on the first; all of them must
     pass the filters or nothing is leased. ``exclude`` and ``max_utilization`` filter as in
-    :func:`~devicekit.hardware.selection.select_gpus`; ``time_limit`` (seconds) is the job's
+    :func:`~devicekit.selection.choose.select_gpus`; ``time_limit`` (seconds) is the job's
     declared limit, for the queue's backfill.
     ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
     ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
@@ -195,7 +195,7 @@ def allocate(
                 f" (--gpus {','.join(str(g.index) for g in present)}) or set --max-util/--min-free",
                 lines, waiting_helps=False)
     filters = {"min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
-               "max_utilization": max_utilization, "time_limit": time_limit,
+               "max_utilization": max_utilization, "time_limit": time_limit, "gpus": present,
                "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids),
                            *(g.uuid for g, _ in busy)]}
     if ids:
@@ -295,7 +295,7 @@ def _resolve_ids(present: Sequence[Any], ids: Sequence[str | int]) -> list[str]:
 
 def _lease(count: int | None, per_proc: int, kwargs: dict[str, Any]) -> Any:
     """Lease the GPUs (``count`` of them, or every eligible one rounded to whole processes)."""
-    from devicekit.hardware.selection import select_gpus
+    from devicekit.selection import select_gpus
 
     if count is not None:
         return select_gpus(count, **kwargs)

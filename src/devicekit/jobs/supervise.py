@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
-from devicekit.hardware.stopped_jobs import StopMarker
 from devicekit.jobs.process_tree import ProcessTree
 from devicekit.jobs.run_doctor import HANG_EXIT_CODE, RunDoctor
+from devicekit.sharing.stopped_jobs import StopMarker
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
@@ -125,7 +125,7 @@ def _stop_marker(plan: RunPlan) -> StopMarker:
     """The stopped-job marker in the lease directory, for a run that holds leases."""
     if not plan.allocation.lease_fds:
         return StopMarker(None)
-    from devicekit.hardware.lease_directory import lease_dir
+    from devicekit.sharing.lease_directory import lease_dir
 
     return StopMarker(lease_dir())
 

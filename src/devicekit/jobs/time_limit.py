@@ -5,7 +5,7 @@ At the limit the job's process group gets SIGTERM; whatever is left after the gr
 says so on stderr and exits with the shell's code for the signal (143 for SIGTERM, 137 for
 SIGKILL). The limit is measured on the monotonic clock: setting the wall clock moves nothing.
 A declared limit is also what lets a queued job be backfilled onto GPUs reserved for an
-earlier, larger job (:mod:`devicekit.hardware.queue_order`).
+earlier, larger job (:mod:`devicekit.sharing.queue_order`).
 
 Usage::
 
@@ -97,7 +97,7 @@ def declared_limit(value: float | str | None) -> float | None:
     """``run --time``'s value in seconds (None: not given); a one-line error for a bad one."""
     if value is None:
         return None
-    from devicekit.hardware.policy import parse_duration
+    from devicekit.sharing.policy import parse_duration
 
     return parse_duration(value, name="--time")
 
@@ -105,8 +105,8 @@ def declared_limit(value: float | str | None) -> float | None:
 def enforced_limit(declared: float | None, plan: Any, on_gpu: bool) -> TimeLimit | None:
     """The limit ``run`` enforces: the declared one, else the queue policy's default for GPU
     jobs; the grace period is the policy's. Adds a note to ``plan.notes``."""
-    from devicekit.hardware.lease_directory import lease_dir
-    from devicekit.hardware.policy import DEFAULT_GRACE, load_policy
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.policy import DEFAULT_GRACE, load_policy
 
     policy = load_policy(lease_dir()) if on_gpu or declared is not None else None
     seconds = declared

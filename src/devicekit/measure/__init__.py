@@ -18,7 +18,10 @@ Usage::
         print(dev.device, dev.best("matmul.").value, "TFLOP/s")
 """
 
+from devicekit.measure.bench_runner import bench
 from devicekit.measure.report import BenchReport, DeviceBench, Figure
-from devicekit.measure.run import bench
+from devicekit.moved import alias_modules
+
+alias_modules(__name__, {"run": "devicekit.measure.bench_runner", "table": "devicekit.measure.bench_table"})
 
 __all__ = ["bench", "BenchReport", "DeviceBench", "Figure"]

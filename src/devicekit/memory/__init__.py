@@ -11,14 +11,14 @@ Usage::
         train()
     bs = dk.find_batch_size(lambda n: train_step(batch_size=n), start=32)
 
-May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). The estimate before
+May import: ``units``, ``errors``, ``hardware``, ``sharing``, ``placement`` (and torch). The estimate before
 running (``estimate``, ``fake_step``, ``step``) lives here; the strategy advisor that combines it
 with the parallel wings is :mod:`devicekit.strategy`, one floor up.
 
-Submodules: ``usage``, ``table``, ``census``, ``release``, ``leaks``, ``oom``, ``batch_size``,
+Submodules: ``usage``, ``usage_table``, ``census``, ``release``, ``leaks``, ``oom``, ``batch_size``,
 ``timeline``, ``utilization``. The names below are imported on first use, so importing
 one submodule (e.g. ``utilization`` for ``dk.show_utilization(compact=True)``) does not import
-torch or the rest of the wing.
+torch or the rest of the wing. Tests: ``tests/memory/`` (``leaks/`` in ``tests/memory/leaks/``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _EXPORTS = {
     "Leak": "leaks", "LeakDetector": "leaks", "LeakReport": "leaks", "find_leaks": "leaks",
     "install_oom_handler": "oom", "oom_guard": "oom",
     "Released": "release", "empty_cache": "release", "release": "release",
-    "report": "table",
+    "report": "usage_table",
     "MemoryTimeline": "timeline", "TimelineSample": "timeline",
     "DeviceMemory": "usage", "usage": "usage",
     "show_utilization": "utilization",
@@ -76,3 +76,7 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+from devicekit.moved import alias_modules  # noqa: E402
+
+alias_modules(__name__, {"table": "devicekit.memory.usage_table"})

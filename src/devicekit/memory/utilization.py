@@ -1,7 +1,7 @@
 """``dk.show_utilization()``: the machine's GPU table, one line per GPU, or this process's memory.
 
 The GPUtil call the seeds copy (``GPUtil.showUtilization()``), done right: the table is
-:func:`devicekit.hardware.table.render_status` (no torch); ``this_process=True`` adds torch's
+:func:`devicekit.sharing.status_table.render_status` (no torch); ``this_process=True`` adds torch's
 allocator figures (:mod:`devicekit.memory.usage_line`), which is why this lives in ``memory``
 and not in ``hardware`` (hardware never reaches up a wing).
 
@@ -52,8 +52,8 @@ def show_utilization(*, file: IO[str] | None = None, all_processes: bool = True,
         raise InvalidValueError("label= goes with compact=True or this_process=True, not the table")
     from rich.console import Console
 
-    from devicekit.hardware.status import collect_status
-    from devicekit.hardware.table import console_width, render_status
+    from devicekit.sharing.machine_status import collect_status
+    from devicekit.sharing.status_table import console_width, render_status
 
     report = collect_status()
     width = console_width(file)

@@ -8,7 +8,8 @@ inputs and checkpoints (``ddp``), weighted data for mixed GPUs (``weighted_loade
 the processes is :mod:`devicekit.jobs`, one floor up.
 
 May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). Never ``jobs``,
-``strategy``, ``cli`` or ``integrations``.
+``strategy``, ``cli`` or ``integrations``. Tests: ``tests/parallel/`` (``environments/`` in
+``test_environments.py``, ``boot/`` in ``test_boot_hook.py``).
 
 Usage::
 

@@ -8,7 +8,7 @@ One concept per module:
 - ``checkpoint``: atomic ``save_checkpoint``, device-mapping ``load_checkpoint``
 - ``precision``: ``half`` (norm layers kept fp32), ``mixed_precision``
 - ``modes``: ``performance_mode``, ``deterministic_mode`` (undoable)
-- ``metrics``: ``RunningMean``, ``MetricLog`` kept on the device
+- ``metric_log``: ``RunningMean``, ``MetricLog`` kept on the device
 - ``sync_guard``: find hidden host synchronisations
 
 May import: ``units``, ``errors``, ``hardware`` (and torch).
@@ -23,3 +23,7 @@ Usage::
         ...
     dk.save_checkpoint(model.state_dict(), "last.pt")
 """
+
+from devicekit.moved import alias_modules
+
+alias_modules(__name__, {"metrics": "devicekit.placement.metric_log"})

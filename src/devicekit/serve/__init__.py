@@ -1,10 +1,10 @@
 """``devicekit serve``: a live status page, a Prometheus endpoint and the status JSON over HTTP.
 
-A front door like :mod:`devicekit.cli`: it reads :mod:`devicekit.hardware` (no torch) and
+A front door like :mod:`devicekit.cli`: it reads :mod:`devicekit.hardware` and :mod:`devicekit.sharing` (no torch) and
 nothing imports it but the CLI. One sampler thread takes the status every interval
 (:mod:`~devicekit.serve.sampler`); the stdlib HTTP server (:mod:`~devicekit.serve.server`)
 hands out what it built: the page (:mod:`~devicekit.serve.page`), ``/metrics``
-(:mod:`~devicekit.serve.metrics`, via prometheus-client) and ``/api/status``.
+(:mod:`~devicekit.serve.prometheus`, via prometheus-client) and ``/api/status``.
 
 Usage::
 
@@ -17,6 +17,9 @@ Usage::
 
 from __future__ import annotations
 
+from devicekit.moved import alias_modules
 from devicekit.serve.server import StatusServer
+
+alias_modules(__name__, {"metrics": "devicekit.serve.prometheus"})
 
 __all__ = ["StatusServer"]

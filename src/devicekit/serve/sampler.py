@@ -1,6 +1,6 @@
 """One sampler thread and its cached snapshot: the only code in ``devicekit serve`` that asks NVML.
 
-Every ``interval`` seconds the sampler takes :func:`~devicekit.hardware.status.collect_status`,
+Every ``interval`` seconds the sampler takes :func:`~devicekit.sharing.machine_status.collect_status`,
 builds everything the server hands out from it (the ``status --json`` bytes, the Prometheus
 text, the page's HTML fragment) and swaps the new :class:`Snapshot` in with one assignment.
 Requests only read the latest snapshot, so a slow driver never blocks a client and a scrape
@@ -69,7 +69,7 @@ def hide_commands(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _collect() -> dict[str, Any]:
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
 
     return collect_status().to_dict()
 
@@ -128,8 +128,8 @@ class Sampler:
     def build(self, doc: dict[str, Any], *, error: str | None = None, errors_total: int = 0,
               hidden: bool = False) -> Snapshot:
         """Everything served, from one status document (``hidden``: commands already removed)."""
-        from devicekit.serve.metrics import render_metrics
         from devicekit.serve.page import render_fragment
+        from devicekit.serve.prometheus import render_metrics
 
         if self.hide_commands and not hidden:
             doc = hide_commands(doc)

@@ -32,7 +32,7 @@ from importlib import resources
 from typing import Any
 
 from devicekit.errors import ServeError
-from devicekit.serve.metrics import CONTENT_TYPE as METRICS_TYPE
+from devicekit.serve.prometheus import CONTENT_TYPE as METRICS_TYPE
 from devicekit.serve.sampler import Sampler
 
 __all__ = ["StatusServer", "MAX_CLIENTS", "CLIENT_TIMEOUT", "is_loopback", "resolve_host"]

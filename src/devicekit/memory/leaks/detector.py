@@ -37,7 +37,7 @@ import os
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +58,17 @@ __all__ = ["LeakDetector"]
 
 _REMEASURE_BELOW = 256
 _SCALAR_BYTES = 16  # bytes per one-element tensor at most for "a log of scalars" (complex128)
+
+
+class HolderFacts(NamedTuple):
+    """What the verdict needs to know of a holder, kept without the object itself."""
+
+    #: the kind of root the holder was reached from (a local of the step, a global, a watched object)
+    origin: str
+    #: reached through an ``nn.Module``'s attributes
+    in_module: bool
+    #: the holder is itself a tensor (not a container of them)
+    is_tensor: bool
 
 
 class LeakDetector:
@@ -85,8 +96,8 @@ class LeakDetector:
         self._extra = [Root(name, "watch", (lambda v=value: v)) for name, value in (watch or {}).items()]
         self._roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_roots
         self._series: dict[str, list[tuple[int, Size]]] = {}
-        # path -> (origin, in_module, is_tensor): what the verdict needs, without the object itself
-        self._info: dict[str, tuple[str, bool, bool]] = {}
+        # path -> what the verdict needs of a holder, without the object itself
+        self._info: dict[str, HolderFacts] = {}
         self._cycles: list[tuple[int, CycleSample]] = []
         self._line_of: dict[str, tuple[str, int]] = {}
         self._tracer = LineTracer()
@@ -211,7 +222,8 @@ class LeakDetector:
             value = holder.get()
             held.add(id(value))
             size = self._measure(path, value, seen)
-            self._info[path] = (holder.origin, holder.in_module, isinstance(value, torch.Tensor))
+            self._info[path] = HolderFacts(holder.origin, holder.in_module,
+                                           isinstance(value, torch.Tensor))
             del value
             series = self._series.setdefault(path, [])
             if series and series[-1][0] == step - 1 and size.effective > series[-1][1].effective:
@@ -285,12 +297,12 @@ class LeakDetector:
         rate = growth([s.effective for s in post])
         if rate is None:
             return None
-        origin, in_module, is_tensor = self._info[path]
+        facts = self._info[path]
         nodes_rate = slope([s.nodes for s in post])
         via, is_lru = self._discovery.pattern(path)
         via = via or via_of(post[-1].through)
-        kind = pattern_of(path, via=via, origin=origin, is_lru=is_lru) or kind_of(
-            in_module=in_module, is_tensor=is_tensor, nodes_grow=nodes_rate > 0)
+        kind = pattern_of(path, via=via, origin=facts.origin, is_lru=is_lru) or kind_of(
+            in_module=facts.in_module, is_tensor=facts.is_tensor, nodes_grow=nodes_rate > 0)
         last = post[-1]
         filename, lineno = self._line_of.get(path, ("", 0))
         items_rate = slope([s.items for s in post])
@@ -305,7 +317,7 @@ class LeakDetector:
                    f"(`.item()`) or bound it if the run is very long")
         return Leak(
             holder=path, kind=kind, filename=filename, lineno=lineno, bytes_per_step=round(rate),
-            fix=fix, origin=origin, total_bytes=last.effective,
+            fix=fix, origin=facts.origin, total_bytes=last.effective,
             items_per_step=round(items_rate, 2), nodes_per_step=round(nodes_rate, 2),
             estimated=last.nodes > 0 or last.estimated, series=[s.effective for s in post],
             detail=detail_of(kind, via=via, where=where), severity="minor" if minor else "leak",

@@ -1,0 +1,201 @@
+"""The ``/metrics`` page: a status document in Prometheus text format, via ``prometheus-client``.
+
+Every number is one of ``devicekit status --json``'s, unchanged (bytes stay bytes, percent stay
+percent, watts, degrees Celsius, seconds since the epoch). Per-GPU gauges carry the labels
+``gpu`` (index), ``uuid``, ``name`` and ``hostname`` like dcgm-exporter's; MIG instances add
+``mig``. What dcgm-exporter cannot say (its issue #109) comes from devicekit's own facts:
+leases by ``user`` and device, per-user memory and processes, and waiting jobs per user when
+the fair queue's ``queue`` section is present. Cardinality is bounded: no label per pid or
+command, users capped by :data:`devicekit.serve.people.MAX_USERS`. A value the backend does
+not know (``null`` in the document) is left out rather than written as 0.
+
+Usage::
+
+    from devicekit.sharing.machine_status import collect_status
+    from devicekit.serve.prometheus import render_metrics
+
+    text = render_metrics(collect_status().to_dict()).decode()
+    # devicekit_gpu_memory_used_bytes{gpu="0",hostname="lab1",name="NVIDIA H100 ...",uuid="GPU-..."} 2.147483648e+09
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from devicekit.serve.people import all_leases, queue_tickets, user_totals
+
+__all__ = ["render_metrics", "CONTENT_TYPE", "GPU_GAUGES"]
+
+#: the exposition format's content type (text format 0.0.4)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GPU_LABELS = ["gpu", "uuid", "name", "hostname"]
+MIG_LABELS = ["gpu", "mig", "uuid", "name", "hostname"]
+LEASE_LABELS = ["gpu", "uuid", "user", "kind"]
+
+#: per-GPU gauge -> (status --json key, help)
+GPU_GAUGES: dict[str, tuple[str, str]] = {
+    "devicekit_gpu_memory_used_bytes": ("memory_used", "GPU memory in use, bytes."),
+    "devicekit_gpu_memory_total_bytes": ("memory_total", "GPU memory in all, bytes."),
+    "devicekit_gpu_memory_free_bytes": ("memory_free", "GPU memory free, bytes."),
+    "devicekit_gpu_utilization_percent": (
+        "utilization", "Share of time a kernel was running, percent (not spare capacity)."),
+    "devicekit_gpu_memory_bandwidth_utilization_percent": (
+        "memory_bandwidth_utilization", "Share of time device memory was read or written, percent."),
+    "devicekit_gpu_temperature_celsius": ("temperature", "GPU temperature, degrees Celsius."),
+    "devicekit_gpu_power_draw_watts": ("power_draw", "Power drawn, watts."),
+    "devicekit_gpu_power_limit_watts": ("power_limit", "Power limit, watts."),
+}
+#: per-MIG-instance gauge -> (status --json key, help)
+MIG_GAUGES: dict[str, tuple[str, str]] = {
+    "devicekit_mig_memory_used_bytes": ("memory_used", "MIG instance memory in use, bytes."),
+    "devicekit_mig_memory_total_bytes": ("memory_total", "MIG instance memory in all, bytes."),
+    "devicekit_mig_memory_free_bytes": ("memory_free", "MIG instance memory free, bytes."),
+}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+class StatusCollector:
+    """A prometheus-client collector over one status document (built once per sample)."""
+
+    def __init__(self, doc: dict[str, Any], *, sample_ok: bool, sample_errors: int) -> None:
+        self.doc = doc
+        self.sample_ok = sample_ok
+        self.sample_errors = sample_errors
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._machine()
+        yield from self._gpus()
+        yield from self._migs()
+        yield from self._leases()
+        yield from self._users()
+        yield from self._queue()
+
+    def _machine(self) -> Iterator[Metric]:
+        doc = self.doc
+        host = str(doc.get("host", {}).get("hostname", ""))
+        info = GaugeMetricFamily(
+            "devicekit_info", "devicekit version, GPU backend and driver of this host; always 1.",
+            labels=["version", "backend", "driver_version", "cuda_driver_version", "hostname"])
+        info.add_metric([str(doc.get("devicekit_version") or ""), str(doc.get("backend") or ""),
+                         str(doc.get("driver_version") or ""),
+                         str(doc.get("cuda_driver_version") or ""), host], 1)
+        yield info
+        yield GaugeMetricFamily("devicekit_gpus", "Physical GPUs seen.",
+                                value=len(doc.get("gpus", [])))
+        yield GaugeMetricFamily("devicekit_status_taken_at_timestamp_seconds",
+                                "When the status was taken, seconds since the epoch.",
+                                value=float(doc.get("taken_at") or 0))
+        yield GaugeMetricFamily("devicekit_sample_ok",
+                                "1 when the latest sample succeeded; 0: the numbers are the last "
+                                "good ones.", value=1 if self.sample_ok else 0)
+        yield CounterMetricFamily("devicekit_sample_errors", "Samples that failed since start.",
+                                  value=self.sample_errors)
+        yield GaugeMetricFamily("devicekit_status_warnings",
+                                "Warnings in the status document (see /api/status).",
+                                value=len(doc.get("warnings", [])))
+
+    def _gpus(self) -> Iterator[Metric]:
+        host = str(self.doc.get("host", {}).get("hostname", ""))
+        gpus = self.doc.get("gpus", [])
+        for metric, (key, help_text) in GPU_GAUGES.items():
+            family = GaugeMetricFamily(metric, help_text, labels=GPU_LABELS)
+            for gpu in gpus:
+                value = _number(gpu.get(key))
+                if value is not None:
+                    family.add_metric(_gpu_labels(gpu, host), value)
+            yield family
+        processes = GaugeMetricFamily("devicekit_gpu_processes",
+                                      "Processes holding memory on the GPU.", labels=GPU_LABELS)
+        leases = GaugeMetricFamily("devicekit_gpu_leases",
+                                   "devicekit leases on the GPU (its MIG instances included).",
+                                   labels=GPU_LABELS)
+        for gpu in gpus:
+            processes.add_metric(_gpu_labels(gpu, host), len(gpu.get("processes", [])))
+            leases.add_metric(_gpu_labels(gpu, host), len(gpu.get("leases", [])))
+        yield processes
+        yield leases
+
+    def _migs(self) -> Iterator[Metric]:
+        host = str(self.doc.get("host", {}).get("hostname", ""))
+        families = {m: GaugeMetricFamily(m, h, labels=MIG_LABELS) for m, (_, h) in MIG_GAUGES.items()}
+        for gpu in self.doc.get("gpus", []):
+            for mig in gpu.get("mig_devices", []):
+                labels = [str(gpu.get("index")), str(mig.get("index")), str(mig.get("uuid")),
+                          str(mig.get("name")), host]
+                for metric, (key, _) in MIG_GAUGES.items():
+                    value = _number(mig.get(key))
+                    if value is not None:
+                        families[metric].add_metric(labels, value)
+        yield from families.values()
+
+    def _leases(self) -> Iterator[Metric]:
+        held: dict[tuple[str, ...], list[float]] = {}
+        for gpu, lease in all_leases(self.doc):
+            key = ("" if gpu is None else str(gpu.get("index")), str(lease.get("gpu_uuid")),
+                   str(lease.get("user") or ""), str(lease.get("kind") or "lease"))
+            held.setdefault(key, []).append(float(lease.get("since") or 0))
+        count = GaugeMetricFamily(
+            "devicekit_lease_holders",
+            "devicekit leases one user holds on one device (GPU or MIG instance; gpu is empty "
+            "for a device not present here); several only for shared leases.", labels=LEASE_LABELS)
+        since = GaugeMetricFamily(
+            "devicekit_lease_since_timestamp_seconds",
+            "When the user's oldest lease on the device was taken, seconds since the epoch.",
+            labels=LEASE_LABELS)
+        for key, times in sorted(held.items()):
+            count.add_metric(list(key), len(times))
+            since.add_metric(list(key), min(times))
+        yield count
+        yield since
+
+    def _users(self) -> Iterator[Metric]:
+        rows = user_totals(self.doc)
+        gauges = [
+            ("devicekit_user_leased_devices", "Devices (GPUs or MIG instances) the user leases.",
+             lambda r: r.leased_devices),
+            ("devicekit_user_processes", "The user's processes holding GPU memory.",
+             lambda r: r.processes),
+            ("devicekit_user_gpu_memory_bytes", "GPU memory the user's processes hold, bytes.",
+             lambda r: r.gpu_memory),
+            ("devicekit_user_waiting_jobs", "The user's jobs waiting in the queue.",
+             lambda r: r.waiting_jobs),
+            ("devicekit_user_waiting_gpus", "GPUs the user's waiting jobs ask for.",
+             lambda r: r.waiting_gpus),
+        ]
+        for metric, help_text, value in gauges:
+            family = GaugeMetricFamily(metric, help_text, labels=["user"])
+            for row in rows:
+                family.add_metric([row.user], value(row))
+            yield family
+
+    def _queue(self) -> Iterator[Metric]:
+        tickets = queue_tickets(self.doc)
+        yield GaugeMetricFamily("devicekit_queue_waiting_jobs",
+                                "Jobs waiting in the queue (0 when there is no queue).",
+                                value=len(tickets))
+        since = [float(t["since"]) for t in tickets if _number(t.get("since")) is not None]
+        if since:
+            yield GaugeMetricFamily("devicekit_queue_oldest_since_timestamp_seconds",
+                                    "When the longest-waiting job joined the queue.",
+                                    value=min(since))
+
+
+def _gpu_labels(gpu: dict[str, Any], host: str) -> list[str]:
+    return [str(gpu.get("index")), str(gpu.get("uuid")), str(gpu.get("name")), host]
+
+
+def render_metrics(doc: dict[str, Any], *, sample_ok: bool = True, sample_errors: int = 0) -> bytes:
+    """The Prometheus text exposition of a ``devicekit status --json`` document."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(doc, sample_ok=sample_ok,  # type: ignore[arg-type]
+                                      sample_errors=sample_errors))
+    return generate_latest(registry)
