@@ -13,7 +13,7 @@ $(BIN)/devicekit: pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e .
 	@touch $@
 
-# the test tools (pytest, hypothesis, ruff) and the framework extras the integration tests use
+# the test tools (pytest, pytest-xdist, hypothesis, ruff) and the framework extras the integration tests use
 # (Lightning, transformers: pinned in constraints.txt) on top, for `make test` and `make lint`
 $(VENV)/.dev: $(BIN)/devicekit
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,lightning,transformers]'
@@ -23,8 +23,11 @@ run: $(BIN)/devicekit
 	$(BIN)/devicekit run
 	@echo "devicekit is installed in $(VENV): run $(BIN)/devicekit, or 'source $(BIN)/activate' first"
 
+# the whole suite, one pytest-xdist worker per core, the 15 slowest tests listed at the end;
+# PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
+PYTEST_ARGS ?=
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks

@@ -1,4 +1,16 @@
-"""Shared fixtures: simulated GPUs, an isolated lease directory, a clean environment."""
+"""Shared fixtures: simulated GPUs, an isolated lease directory, a clean environment.
+
+The suite is hermetic: unless the run is a GPU run (``-m gpu``, paths under ``tests/gpu``, or
+``DEVICEKIT_TEST_GPU=1``), no test and no process a test starts touches this machine's real
+GPUs, its NVML, its lease directory or its caches, even on a GPU server:
+
+- ``CUDA_VISIBLE_DEVICES=""`` is set before torch is imported, so torch here and in every child
+  sees no CUDA device;
+- every test runs on an empty GPU simulation (``DEVICEKIT_SIMULATE``), so NVML is never opened
+  (a test that fakes NVML removes the variable itself), except tests marked ``gpu``;
+- the lease directory, the bench and batch-size caches are temporary, per test;
+- under pytest-xdist each worker draws rendezvous ports from its own range (tests/ranks.py).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.children import spawn  # noqa: F401  (a fixture for every folder)
+
 GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DEVICEKIT_SIMULATE", "DEVICEKIT_LEASE_DIR")
 
 
@@ -21,13 +35,63 @@ def h100(used: str = "0GiB", util: int = 0, **extra: Any) -> dict[str, Any]:
             "utilization": util, **extra}
 
 
+#: set to 1 to run the ``gpu`` tests (they also run with ``-m gpu`` or paths under tests/gpu)
+GPU_RUN_ENV = "DEVICEKIT_TEST_GPU"
+
+
+def gpu_run(config: pytest.Config) -> bool:
+    """Whether this run is meant for the real GPU (then tests marked ``gpu`` run)."""
+    if os.environ.get(GPU_RUN_ENV) == "1":
+        return True
+    marks = (config.option.markexpr or "").replace("not gpu", "")
+    if "gpu" in marks:
+        return True
+    gpu_dir = Path(__file__).resolve().parent / "gpu"
+    args = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return bool(args) and all(a == gpu_dir or gpu_dir in a.parents for a in args)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module imports torch: hide the machine's GPUs and shared state."""
+    config._devicekit_gpu_run = gpu_run(config)  # type: ignore[attr-defined]
+    if config._devicekit_gpu_run:  # type: ignore[attr-defined]
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:  # CUDA reads the variable once, when it starts: start it now, seeing no device
+        import torch
+
+        torch.cuda.device_count()
+    except Exception:  # torch broken: its own tests say so
+        pass
+    scratch = Path(tempfile.mkdtemp(prefix="devicekit-tests-"))
+    os.environ["DEVICEKIT_LEASE_DIR"] = str(scratch / "leases")
+    os.environ["DEVICEKIT_BENCH_CACHE"] = str(scratch / "bench-cache")
+    os.environ["XDG_CACHE_HOME"] = str(scratch / "cache")
+    config._devicekit_scratch = scratch  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scratch = getattr(config, "_devicekit_scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Every test starts without GPU variables, with its own lease directory and bench cache."""
+def _isolated_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every test starts without GPU variables, on no GPU (an empty simulation: NVML is never
+    opened; tests marked ``gpu`` see the real ones), with its own lease directory and caches."""
     for name in GPU_ENV:
         monkeypatch.delenv(name, raising=False)
+    if request.node.get_closest_marker("gpu") is None:
+        empty = tmp_path_factory.mktemp("no-gpus") / "no-gpus.json"
+        empty.write_text('{"gpus": []}')
+        monkeypatch.setenv("DEVICEKIT_SIMULATE", str(empty))
+        if not request.config._devicekit_gpu_run:  # type: ignore[attr-defined]
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path_factory.mktemp("leases")))
     monkeypatch.setenv("DEVICEKIT_BENCH_CACHE", str(tmp_path_factory.mktemp("bench-cache")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
     from devicekit.hardware import inventory, visible
 
     inventory._cache.clear()
@@ -46,12 +110,16 @@ def admin_lease_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 @pytest.fixture
 def simulate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
-    """``simulate([h100(), h100(used="70GiB")])`` writes a file and points DEVICEKIT_SIMULATE at it."""
+    """``simulate([h100(), h100(used="70GiB")])`` writes a file and points DEVICEKIT_SIMULATE at it.
+
+    The simulated GPUs are visible (``CUDA_VISIBLE_DEVICES`` unset), as on a machine that has them.
+    """
 
     def write(gpus: list[dict[str, Any]], name: str = "gpus.json") -> Path:
         path = tmp_path / name
         path.write_text(json.dumps({"gpus": gpus}))
         monkeypatch.setenv("DEVICEKIT_SIMULATE", str(path))
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         return path
 
     return write
@@ -72,16 +140,22 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip cleanly where torch sees no CUDA device."""
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # torch broken: no GPU tests
+    """Tests marked ``gpu`` skip cleanly where torch sees no CUDA device, and in a run that is
+    not a GPU run (``make test`` on a GPU server leaves its GPUs alone)."""
+    if not config._devicekit_gpu_run:  # type: ignore[attr-defined]
         has_cuda = False
+        reason = f"needs a CUDA GPU and a GPU run (-m gpu, tests/gpu, or {GPU_RUN_ENV}=1)"
+    else:
+        reason = "needs a CUDA GPU"
+        try:
+            import torch
+
+            has_cuda = torch.cuda.is_available()
+        except Exception:  # torch broken: no GPU tests
+            has_cuda = False
     if has_cuda and not os.environ.get("DEVICEKIT_SKIP_GPU_TESTS"):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

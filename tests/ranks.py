@@ -60,16 +60,31 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def worker_ports(ports: range) -> range:
+    """This pytest-xdist worker's share of ``ports`` (all of them outside xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return ports
+    index = int(worker[2:]) % count
+    size = len(ports) // count
+    return ports[index * size:(index + 1) * size]
+
+
 def rendezvous_port() -> int:
     """A free port below the ephemeral range, for processes that rendezvous on it later.
 
     A port the OS hands out as free (bind to 0) is an ephemeral one; a TCPStore client that
     retries ``connect()`` to it before the server listens can get it as its own local port and
     connect to itself (TCP simultaneous open), hanging the rendezvous.
+
+    Under pytest-xdist each worker draws from its own slice of that range, so two workers never
+    hand out the same port (a port checked free here is only bound later, by the ranks).
     """
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
         if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
-    for port in random.sample(range(20000, min(low, 32768)), 200):
+    ports = worker_ports(range(20000, min(low, 32768)))
+    for port in random.sample(ports, min(200, len(ports))):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
