@@ -8,12 +8,16 @@ import json
 from prometheus_client.parser import text_string_to_metric_families
 
 import devicekit as dk
-from devicekit.hardware.leases import Lease
-from devicekit.hardware.status import collect_status
 from devicekit.serve.inert import inert_html, inert_text
-from devicekit.serve.metrics import render_metrics
 from devicekit.serve.page import render_fragment, render_page
 from devicekit.serve.people import OTHER, user_totals
+from devicekit.serve.prometheus import render_metrics
+from devicekit.sharing.lease_directory import lease_dir
+from devicekit.sharing.leases import Lease
+from devicekit.sharing.machine_status import collect_status
+from devicekit.sharing.queue_order import Decision
+from devicekit.sharing.queue_state import QueueEntry, QueueEntryDoc
+from devicekit.sharing.tickets import Ticket, TicketRecord
 from tests.conftest import h100
 from tests.serve.conftest import machine
 
@@ -27,17 +31,27 @@ def values(text: bytes, metric: str) -> dict[tuple, float]:
     return found
 
 
+def waiting(ticket: str, user: str, count: int, since: float, reason: str,
+            reserved: tuple[str, ...] = ()) -> QueueEntryDoc:
+    """A waiting entry as ``status --json`` has it: made by the queue's own ``to_dict``."""
+    record = TicketRecord(ticket=ticket, seq=int(ticket), user=user, pid=4000 + int(ticket),
+                          host="lab", command="python train.py", count=count, candidates=(),
+                          min_free=None, max_util=None, filters="", since=since,
+                          time_limit=None, grace=30.0, state="waiting")
+    return QueueEntry(record, Decision(ticket, reserved=reserved, reason=reason)).to_dict()
+
+
 def doc_with_queue(simulate) -> dict:
     simulate(machine())
     doc = json.loads(json.dumps(collect_status().to_dict()))
     since = doc["taken_at"] - 3720
     doc["queue"] = [
-        {"user": "bob", "gpus": 2, "since": since, "reason": "2 GPUs asked, 1 free"},
-        {"user": "bob", "gpus": 1, "since": since + 60, "reason": "waiting behind bob"},
-        {"user": "<i>carol</i>", "gpus": ["GPU-x", "GPU-y"], "since": since + 120,
-         "state": "reserved", "reason": "reserved \x1b[5mfor\x1b[0m carol"},
+        waiting("1", "bob", 2, since, "2 GPUs asked, 1 free"),
+        waiting("2", "bob", 1, since + 60, "waiting behind bob"),
+        waiting("3", "<i>carol</i>", 2, since + 120, "reserved \x1b[5mfor\x1b[0m carol",
+                reserved=("GPU-x", "GPU-y")),
     ]
-    return doc
+    return json.loads(json.dumps(doc))
 
 
 def test_queue_section_in_metrics_and_page(simulate):
@@ -54,6 +68,24 @@ def test_queue_section_in_metrics_and_page(simulate):
     assert "1h 2m" in page  # bob has waited 62 minutes
     assert "&lt;i&gt;carol&lt;/i&gt;" in page and "<i>carol" not in page
     assert "\\x1b[5mfor" in page and "\x1b" not in page and "reserved" in page
+
+
+def test_a_real_three_gpu_ticket_counts_three_waiting_gpus(simulate):
+    """The queue's own entries (``gpus_asked``), not a hand-made shape: a 3-GPU ticket is 3."""
+    simulate(machine())
+    uuids = [g.uuid for g in dk.gpus()]
+    ticket = Ticket.take(lease_dir(), {"count": 3, "candidates": uuids, "command": "python big.py"})
+    try:
+        doc = collect_status().to_dict()
+    finally:
+        ticket.close()
+    (entry,) = doc["queue"]
+    user = entry["user"]  # the ticket file's owner: whoever runs the tests
+    assert entry["gpus_asked"] == 3
+    text = render_metrics(doc)
+    assert values(text, "devicekit_user_waiting_gpus")[(("user", user),)] == 3
+    assert values(text, "devicekit_user_waiting_jobs")[(("user", user),)] == 1
+    assert f"<td>{user}</td><td>3</td>" in render_fragment(doc)
 
 
 def test_no_queue_section_without_a_queue(simulate):

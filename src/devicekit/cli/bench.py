@@ -21,7 +21,7 @@ CPU), host<->device bandwidth (pinned and pageable), copy bandwidth within a dev
 GPUs (P2P), launch latency, .item() per step vs dk.MetricLog, and N GPUs at once vs in
 sequence; each beside the known peak. Results are cached per GPU UUID, so
 'devicekit select --order fastest' and 'devicekit run' use them. The full run takes under a
-minute per GPU, --quick a few seconds.
+minute per GPU, --quick a few seconds (longer while other work keeps the CPU busy).
 """
 
 
@@ -29,14 +29,15 @@ minute per GPU, --quick a few seconds.
 @click.option("--device", "devices", multiple=True, metavar="DEVICE",
               help="cpu, cuda (every GPU), all, cuda:N or N; repeat or comma-separate "
                    "(default: the CPU and every GPU).")
-@click.option("--quick", is_flag=True, help="Fewer sizes, smaller buffers: a few seconds.")
+@click.option("--quick", is_flag=True,
+              help="Fewer sizes, smaller buffers, fewer rounds: a few seconds on an idle machine.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (schema 1).")
 @click.option("--plot", "plot", metavar="FILE", help="Also draw matmul throughput into FILE (.png, .svg, .pdf).")
 @click.option("--no-cache", is_flag=True, help="Do not record the results for selection.")
 def command(devices: tuple[str, ...], quick: bool, as_json: bool, plot: str | None,
             no_cache: bool) -> int:
+    from devicekit.measure.bench_runner import bench
     from devicekit.measure.plot import check_plot_path, save_plot
-    from devicekit.measure.run import bench
 
     if plot is not None:
         check_plot_path(plot)  # a bad file name fails before a minute of measuring
@@ -46,7 +47,7 @@ def command(devices: tuple[str, ...], quick: bool, as_json: bool, plot: str | No
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        from devicekit.measure.table import render_report
+        from devicekit.measure.bench_table import render_report
 
         render_report(report, sys.stdout)
         if plot is not None:

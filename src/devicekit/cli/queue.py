@@ -1,6 +1,6 @@
 """``devicekit queue``: the fair GPU queue: waiting tickets with their reasons, running limits.
 
-Formatting only; the queue is :mod:`devicekit.hardware.queue_state`. Text from ticket files
+Formatting only; the queue is :mod:`devicekit.sharing.queue_state`. Text from ticket files
 (commands, filters) is other users' and printed inert (control characters shown as visible escapes, as in ``status``).
 
 Usage::
@@ -26,10 +26,10 @@ __all__ = ["command", "collect"]
 def collect() -> Any:
     """The queue view of the configured lease directory (None when it does not exist yet)."""
     from devicekit.hardware import inventory
-    from devicekit.hardware.lease_directory import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, lease_dir
-    from devicekit.hardware.leases import read_leases
     from devicekit.hardware.mig import leasable_devices
-    from devicekit.hardware.queue_state import look
+    from devicekit.sharing.lease_directory import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, lease_dir
+    from devicekit.sharing.leases import read_leases
+    from devicekit.sharing.queue_state import look
 
     raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
     if not os.path.lexists(Path(raw).expanduser()):  # a look never creates the directory
@@ -54,7 +54,7 @@ def command(ctx: click.Context, as_json: bool) -> None:
         return
     view = collect()
     if as_json:
-        from devicekit.hardware.queue_state import QUEUE_SCHEMA
+        from devicekit.sharing.queue_state import QUEUE_SCHEMA
 
         doc = view.to_dict() if view is not None else {
             "schema": QUEUE_SCHEMA, "taken_at": time.time(), "waiting": [], "running": [],
@@ -72,8 +72,8 @@ def command(ctx: click.Context, as_json: bool) -> None:
 @click.argument("ticket")
 def cancel(ticket: str) -> None:
     """Cancel waiting TICKET (yours; root: any): its waiter stops waiting."""
-    from devicekit.hardware.lease_directory import lease_dir
-    from devicekit.hardware.tickets import cancel_ticket
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.tickets import cancel_ticket
 
     record = cancel_ticket(lease_dir(), ticket)
     click.echo(f"ticket {record.ticket} of {record.user} (pid {record.pid}) cancelled", err=True)
@@ -112,7 +112,8 @@ def render(doc: dict[str, Any]) -> list[str]:
                  f"default time limit {format_duration(limit)}" if limit else ""]
         lines.append(f"policy: {_inert(policy['path'])}"
                      + (f" ({', '.join(p for p in parts if p)})" if any(parts) else ""))
-    rows = [["TICKET", "USER", "PID", "GPUS", "WAITING", "LIMIT", "RESERVED", "REASON", "COMMAND"]]
+    # ASKS is a count of GPUs (with the ticket's filters); RESERVED and ON GPUS name GPUs
+    rows = [["TICKET", "USER", "PID", "ASKS", "WAITING", "LIMIT", "RESERVED", "REASON", "COMMAND"]]
     for w in doc["waiting"]:
         since = time.strftime("%H:%M", time.localtime(w["since"]))
         asked = str(w["gpus_asked"]) + (f" {w['filters']}" if w["filters"] else "")
@@ -123,7 +124,7 @@ def render(doc: dict[str, Any]) -> list[str]:
     lines.append(f"waiting: {len(doc['waiting'])}")
     if doc["waiting"]:
         lines.extend(_table(rows))
-    running = [["TICKET", "USER", "PID", "GPUS", "LIMIT", "ENDS IN", "COMMAND"]]
+    running = [["TICKET", "USER", "PID", "ON GPUS", "LIMIT", "ENDS IN", "COMMAND"]]
     for r in doc["running"]:
         running.append([r["ticket"], r["user"], str(r["pid"]),
                         ",".join(g.replace("GPU ", "") for g in r["gpus"]),

@@ -26,10 +26,11 @@ import sys
 from collections.abc import Callable, Mapping
 
 from devicekit.errors import LaunchError
-from devicekit.hardware.checks import take_inventory
+from devicekit.hardware.check_result import take_inventory
+from devicekit.hardware.inventory import backend
 from devicekit.hardware.printable import printable
 from devicekit.jobs.allocation import Allocation, allocate
-from devicekit.jobs.preflight import check_command, check_request
+from devicekit.jobs.preflight import check_command, check_request, interpreter_warning
 from devicekit.jobs.request import TORCHRUN_ENTRY, RunPlan, RunRequest
 from devicekit.jobs.run_world import World, asked_procs, resolve_world
 from devicekit.jobs.supervise import execute
@@ -73,6 +74,9 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
         _check_torch_can_use(allocation)
         plan = _build(request, world, allocation, environ)
         plan.time_limit = enforced_limit(limit, plan, allocation.on_gpu)
+        warning = interpreter_warning(request.command, plan.env)  # 'python' without the venv
+        if warning is not None:
+            plan.notes.append(warning)
         return plan
     except BaseException:
         allocation.release()
@@ -224,11 +228,9 @@ def _check_torch_can_use(allocation: Allocation) -> None:
     Otherwise the job would hold the GPUs while ``dk.dist.device()`` trains on the CPU.
     Simulated GPUs are exempt: there, the CPU is what the job is expected to use.
     """
-    if not allocation.on_gpu:
+    if not allocation.on_gpu or backend().name != "nvml":
         return
     inventory = take_inventory()
-    if inventory.backend != "nvml":
-        return
     from devicekit.hardware.torch_checks import check_torch_build
 
     check = check_torch_build(inventory)

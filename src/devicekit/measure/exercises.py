@@ -6,7 +6,7 @@ Usage::
     from devicekit.measure.exercises import launch_latency_us, logging_seconds, scaling
 
     launch_latency_us(torch.device("cuda:0"))          # e.g. 6.1 (microseconds per tiny op)
-    logging_seconds(torch.device("cuda:0"), steps=1000)  # {"item_per_step": ..., "metric_log": ...}
+    logging_seconds(torch.device("cuda:0"), steps=1000)  # {"item_per_step": ..., "speedup": ...}
     scaling([torch.device("cuda:0"), torch.device("cuda:1")])  # {"speedup": 1.97, ...}
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from devicekit.measure.timing import on_device, synchronize
 
-__all__ = ["launch_latency_us", "logging_seconds", "scaling", "NOISY_SPREAD"]
+__all__ = ["launch_latency_us", "logging_seconds", "median_round", "scaling", "NOISY_SPREAD"]
 
 
 def launch_latency_us(device: torch.device, ops: int = 1000) -> float:
@@ -46,42 +46,55 @@ NOISY_SPREAD = 1.5
 
 
 def logging_seconds(device: torch.device, steps: int = 1000, n: int = 100,
-                    rounds: int = 5) -> dict[str, float]:
+                    rounds: int = 5, budget: float | None = None) -> dict[str, float]:
     """D2L exercise 3: ``steps`` products of ``n x n`` matrices, logging the Frobenius norm of
     each with ``.item()`` per step vs in a :class:`devicekit.MetricLog` read once at the end.
 
     The two run alternately ``rounds`` times (so a burst of load from elsewhere hits both), each
-    time giving one speed-up; the result holds the medians, the median ``speedup`` and its
-    ``spread`` (max / min speed-up over the rounds; above :data:`NOISY_SPREAD` the figure is noisy).
+    round giving one speed-up; the result is :func:`median_round` of them. ``budget``: seconds
+    after which no new round starts (at least one runs), so a busy machine cannot stretch it.
     """
-    from devicekit.placement.metrics import MetricLog
+    from devicekit.placement.metric_log import MetricLog
 
     with on_device(device):
         a = torch.randn(n, n, device=device) / n**0.5
 
-        def per_step() -> list[float]:
-            return [torch.linalg.matrix_norm(a @ a).item() for _ in range(steps)]
+        def per_step(count: int = steps) -> list[float]:
+            return [torch.linalg.matrix_norm(a @ a).item() for _ in range(count)]
 
-        def on_device_log() -> list[float]:
+        def on_device_log(count: int = steps) -> list[float]:
             log = MetricLog()
-            for _ in range(steps):
+            for _ in range(count):
                 log.append(norm=torch.linalg.matrix_norm(a @ a))
             return dict(log)["norm"]
 
-        per_step(), on_device_log()  # warm-up (kernels, allocator)
+        warm = min(steps, 20)
+        per_step(warm), on_device_log(warm)  # warm-up (kernels, allocator)
         times: dict[str, list[float]] = {"item_per_step": [], "metric_log": []}
+        start = time.perf_counter()
         for _ in range(max(rounds, 1)):
+            if times["metric_log"] and budget is not None and time.perf_counter() - start > budget:
+                break
             for name, fn in (("item_per_step", per_step), ("metric_log", on_device_log)):
                 synchronize(device)
                 t0 = time.perf_counter()
                 fn()
                 synchronize(device)
                 times[name].append(time.perf_counter() - t0)
-    ratios = [i / m for i, m in zip(times["item_per_step"], times["metric_log"], strict=True)]
-    return {"item_per_step": statistics.median(times["item_per_step"]),
-            "metric_log": statistics.median(times["metric_log"]),
-            "speedup": statistics.median(ratios), "spread": max(ratios) / min(ratios),
-            "rounds": float(len(ratios))}
+    return median_round(times["item_per_step"], times["metric_log"])
+
+
+def median_round(item_per_step: Sequence[float], metric_log: Sequence[float]) -> dict[str, float]:
+    """The round (one ``.item()`` run and the MetricLog run after it) whose speed-up is the
+    median (the lower one of an even count): its two times, ``speedup`` = their ratio, so the
+    times shown and the verdict always agree (the medians of each side alone need not: a burst
+    of load can make them say the opposite of most rounds). ``spread``: max / min speed-up."""
+    ratios = [i / m for i, m in zip(item_per_step, metric_log, strict=True)]
+    order = sorted(range(len(ratios)), key=ratios.__getitem__)
+    middle = order[(len(order) - 1) // 2]
+    return {"item_per_step": item_per_step[middle], "metric_log": metric_log[middle],
+            "speedup": ratios[middle], "spread": max(ratios) / min(ratios),
+            "rounds": float(len(ratios)), "median_round": float(middle)}
 
 
 def _task(device: torch.device, n: int, repeats: int) -> None:

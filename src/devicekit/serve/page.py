@@ -9,7 +9,7 @@ assets: it works offline. The layout is one column on a phone and a grid of card
 
 Usage::
 
-    from devicekit.hardware.status import collect_status
+    from devicekit.sharing.machine_status import collect_status
     from devicekit.serve.page import render_page
 
     html = render_page(collect_status().to_dict(), interval=2.0)
@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from devicekit.serve.inert import inert_html as esc
-from devicekit.serve.people import OTHER, queue_tickets, user_totals
+from devicekit.serve.people import OTHER, gpus_asked, queue_tickets, user_totals
 from devicekit.units import format_size
 
 __all__ = ["render_page", "render_fragment"]
@@ -223,10 +223,9 @@ def _queue(doc: dict[str, Any], now: float) -> str:
         waited = (f'<time datetime="{_iso(float(since))}">{_clock(float(since))}</time> '
                   f"({_duration(now - float(since))})"
                   if isinstance(since, int | float) and not isinstance(since, bool) else "?")
-        asked = ticket.get("gpus", ticket.get("count", 1))
-        asked_text = str(len(asked)) if isinstance(asked, list) else esc(asked)
-        rows.append(f"<tr><td>{esc(ticket.get('user'))}</td><td>{asked_text}</td>"
-                    f"<td>{esc(ticket.get('state', 'waiting'))}</td><td>{waited}</td>"
+        state = "reserved" if ticket.get("reserved") else "waiting"  # GPUs kept free for it
+        rows.append(f"<tr><td>{esc(ticket.get('user'))}</td><td>{gpus_asked(ticket)}</td>"
+                    f"<td>{state}</td><td>{waited}</td>"
                     f"<td>{esc(ticket.get('reason', ''))}</td></tr>")
     return ('<h2>Queue</h2><table class="queue"><thead><tr><th>User</th><th>GPUs</th>'
             "<th>State</th><th>Since</th><th>Why</th></tr></thead><tbody>" + "".join(rows)

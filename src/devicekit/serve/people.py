@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
+
+from devicekit.sharing.queue_state import QueueEntryDoc
 
 __all__ = ["MAX_USERS", "OTHER", "UNKNOWN", "UserTotals", "user_totals", "all_leases",
-           "queue_tickets"]
+           "queue_tickets", "gpus_asked"]
 
 MAX_USERS = 50
 OTHER = "(other)"
@@ -64,25 +66,21 @@ def all_leases(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any] | None, dic
         yield None, lease
 
 
-def queue_tickets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The queue's tickets when the document has a ``queue`` list (the fair queue); else []."""
+def queue_tickets(doc: dict[str, Any]) -> list[QueueEntryDoc]:
+    """The waiting tickets when the document has a ``queue`` list (the fair queue); else []."""
     queue = doc.get("queue")
     if isinstance(queue, dict):  # tolerate {"tickets": [...]} as well as a bare list
         queue = queue.get("tickets")
     if not isinstance(queue, list):
         return []
-    return [t for t in queue if isinstance(t, dict)]
+    return [cast(QueueEntryDoc, t) for t in queue if isinstance(t, dict)]
 
 
-def gpus_asked(ticket: dict[str, Any]) -> int:
-    """How many GPUs a ticket asks for (a count or a list of devices)."""
-    asked = ticket.get("gpus", ticket.get("count", 1))
-    if isinstance(asked, bool):
-        return 1
-    if isinstance(asked, int):
+def gpus_asked(ticket: QueueEntryDoc) -> int:
+    """How many GPUs a waiting ticket asks for: its ``gpus_asked`` (1 when that is no count)."""
+    asked = ticket.get("gpus_asked")
+    if isinstance(asked, int) and not isinstance(asked, bool):
         return max(asked, 0)
-    if isinstance(asked, list):
-        return len(asked)
     return 1
 
 
