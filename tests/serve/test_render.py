@@ -4,6 +4,8 @@ optional ``queue`` section, MIG instances and their leases, many users, and iner
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -168,3 +170,26 @@ def test_label_values_round_trip_through_the_parser():
     assert values(text, "devicekit_user_gpu_memory_bytes") == {(("user", odd),): 7}
     (labels,) = values(text, "devicekit_gpu_memory_used_bytes")
     assert dict(labels)["name"] == 'GPU "x"'
+
+
+def _documented_metrics() -> set[str]:
+    """Every metric name in docs/serve.md's table (first column, backticked)."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "serve.md"
+    names: set[str] = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("| `devicekit_"):
+            names.update(re.findall(r"`(devicekit_[a-z_]+)`", line.split("|")[1]))
+    return names
+
+
+def test_docs_metric_table_is_what_metrics_emits(simulate):
+    """docs/serve.md lists exactly the families /metrics emits (a queue and MIG present)."""
+    doc = doc_with_queue(simulate)
+    emitted = {line.split()[2] for line in render_metrics(doc).decode().splitlines()
+               if line.startswith("# TYPE ")}
+    emitted |= {f"{name}_total" for name in emitted if name.endswith("_errors")}  # counters
+    documented = _documented_metrics()
+    assert documented, "the metric table in docs/serve.md was not found"
+    assert documented - emitted == set(), "documented but not emitted"
+    assert {n for n in emitted if not n.endswith("_errors")} - documented == set(), \
+        "emitted but not in docs/serve.md's table"
