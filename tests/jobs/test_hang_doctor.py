@@ -9,6 +9,7 @@ timeout + 15 s of it (start-up time, which a loaded machine stretches, is not co
 from __future__ import annotations
 
 import inspect
+import stat
 import subprocess
 import sys
 import time
@@ -230,6 +231,11 @@ def test_run_reports_the_stuck_rank_exits_124_and_saves_the_dump(
                        " rank(s) [0] wait in; it is at job.py:9 in <module>"]
     saved = list((tmp_path / "logs").glob("devicekit-hang-*/hang-report.txt"))
     assert len(saved) == 1
+    # a new directory with a random name, only for its owner (tests/security/test_hang_report_files.py)
+    assert f"all thread stacks): {saved[0]}" in done.stderr
+    assert not saved[0].parent.name.removeprefix("devicekit-hang-").isdigit()
+    assert stat.S_IMODE(saved[0].parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(saved[0].stat().st_mode) == 0o600
     text = saved[0].read_text()
     assert "===== rank 1 =====" in text and "job.py" in text
     assert "Thread" in text  # every thread's stack

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from devicekit.jobs.private_files import create_private_file
 from devicekit.parallel.collective_log import FLIGHT_RECORDER_ENV, HANG_DIR_ENV, REQUEST_FILE
 
 __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
@@ -369,10 +370,16 @@ def _minority(group: dict[int, dict[str, Any]]) -> list[int]:
 
 
 def save(report: HangReport, answers: dict[int, dict[str, Any]], directory: str) -> str:
-    """Write the report and every rank's full answer (stacks of all threads) under ``directory``."""
-    os.makedirs(directory, exist_ok=True)
+    """Write the report and every rank's full answer (stacks of all threads) to
+    ``directory/hang-report.txt``; its path.
+
+    The file holds every thread's stack: it is created new, mode 0600, never through a symlink
+    (:func:`~devicekit.jobs.private_files.create_private_file`); an existing ``hang-report.txt``
+    raises ``FileExistsError``. In a directory other users can write, pass a fresh
+    :func:`~devicekit.jobs.private_files.private_directory` (as ``devicekit run`` does).
+    """
     path = os.path.join(directory, "hang-report.txt")
-    with open(path, "w", encoding="utf-8") as handle:
+    with create_private_file(directory, "hang-report.txt") as handle:
         handle.write(report.text + "\n")
         for rank in sorted(answers):
             answer = answers[rank]

@@ -6,8 +6,13 @@ they call ``dk.dist.init`` or torch's own ``init_process_group``, through a ``si
 put first on their ``PYTHONPATH``) and asks for torch's Flight Recorder on NCCL groups.
 While the job runs, :meth:`RunDoctor.hung` checks the ranks' progress about once a second; on a
 hang, :meth:`RunDoctor.report_and_stop` prints the report on stderr, saves it with every rank's
-full dump (under ``--log-dir``, or the private directory, which is then kept) and stops the job,
-which then exits :data:`HANG_EXIT_CODE`.
+full dump and stops the job, which then exits :data:`HANG_EXIT_CODE`. The dump holds every
+thread's stack, and ``--log-dir`` may be a directory other users can write (``/tmp``, a shared
+project directory): it goes into a new directory with a random name, mode 0700, made there
+(``DIR/devicekit-hang-k3v9x2qa/hang-report.txt``, the file mode 0600, created new: never through
+a name planted before; :mod:`devicekit.jobs.private_files`); without ``--log-dir``, or when that
+fails, into the private directory, which is then kept. torch's own Flight Recorder dumps (on an
+NCCL timeout or error) go to the private directory too, not to ``/tmp/nccl_trace_rank_<N>``.
 
 Usage (what :func:`devicekit.jobs.supervise.execute` does)::
 
@@ -33,16 +38,27 @@ from devicekit.jobs.hang_report import (
     FLIGHT_RECORDER_ENV,
     HANG_DIR_ENV,
     HANG_EXIT_CODE,
+    HangReport,
     HangWatch,
     diagnose,
     save,
 )
+from devicekit.jobs.private_files import private_directory
 from devicekit.parallel import boot
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
 
-__all__ = ["RunDoctor", "HANG_EXIT_CODE", "FLIGHT_RECORDER_ENTRIES"]
+__all__ = ["RunDoctor", "HANG_EXIT_CODE", "FLIGHT_RECORDER_ENTRIES", "TORCH_DUMP_ENVS",
+           "TORCH_DUMP_PREFIX"]
+
+#: where torch's Flight Recorder writes its dump on an NCCL timeout or error (the newer name
+#: first; torch's default is the predictable ``/tmp/nccl_trace_rank_<rank>``, opened following
+#: symlinks): devicekit switches the recorder on, so it points both into its private directory
+TORCH_DUMP_ENVS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+#: the file-name prefix of those dumps (torch appends the rank)
+TORCH_DUMP_PREFIX = "nccl_trace_rank_"
+
 
 class RunDoctor:
     """The hang watch of one ``devicekit run`` job (this node's ranks)."""
@@ -54,6 +70,8 @@ class RunDoctor:
         self.log_dir = log_dir
         self.stopped = False
         self.checked = 0.0
+        #: the report is in ``directory`` (no --log-dir, or saving there failed): keep it
+        self.keep = False
 
     @classmethod
     def for_plan(cls, plan: RunPlan) -> RunDoctor | None:
@@ -64,6 +82,9 @@ class RunDoctor:
         directory = tempfile.mkdtemp(prefix="devicekit-hang-")
         plan.env[HANG_DIR_ENV] = directory
         plan.env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
+        if not any(plan.env.get(name) for name in TORCH_DUMP_ENVS):  # the user's own choice wins
+            for name in TORCH_DUMP_ENVS:
+                plan.env[name] = os.path.join(directory, TORCH_DUMP_PREFIX)
         # ranks that call torch's own init_process_group record too (boot/sitecustomize.py)
         plan.env["PYTHONPATH"] = os.pathsep.join(
             [boot.DIRECTORY, *filter(None, [plan.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])
@@ -84,23 +105,58 @@ class RunDoctor:
         """Print the report, save the full dump, SIGTERM the job's process group."""
         limit = self.watch.limit(self.watch.progress())
         report = diagnose(self.directory, self.watch.ranks)
-        where = os.path.join(self.log_dir, f"devicekit-hang-{int(time.time())}") if self.log_dir \
-            else self.directory
-        path = save(report, report.answers, where)
         print(f"devicekit run: no rank made progress for {limit:g} s while a rank waits in a"
               " collective; stopping the job", file=sys.stderr)
         print(report.text, file=sys.stderr)
-        print(f"devicekit run: full dump (every rank's collectives and all thread stacks): {path}",
-              file=sys.stderr, flush=True)
         self.stopped = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
+        try:
+            path = self._save(report)
+            if path is not None:
+                print(f"devicekit run: full dump (every rank's collectives and all thread stacks):"
+                      f" {path}", file=sys.stderr)
+        finally:
+            sys.stderr.flush()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+
+    def _save(self, report: HangReport) -> str | None:
+        """The report's path: in a new private directory under --log-dir, else in ours."""
+        if self.log_dir:
+            fresh = None
+            try:  # never a name someone could have taken first: a new 0700 directory
+                fresh = private_directory(self.log_dir, "devicekit-hang-")
+                return save(report, report.answers, fresh)
+            except OSError as exc:
+                if fresh is not None:
+                    shutil.rmtree(fresh, ignore_errors=True)
+                print(f"devicekit run: cannot save the hang report under --log-dir"
+                      f" {self.log_dir!r} ({exc.strerror or exc}); keeping it in"
+                      f" {self.directory} instead", file=sys.stderr)
+        self.keep = True
+        try:
+            return save(report, report.answers, self.directory)
+        except OSError as exc:
+            print(f"devicekit run: cannot save the hang report in {self.directory!r}"
+                  f" ({exc.strerror or exc}); the report above is all there is", file=sys.stderr)
+            return None
 
     def close(self) -> bool:
         """Remove the directory unless it holds a hang dump; True if the job was stopped hung."""
-        if not self.stopped or self.log_dir:
+        dumps = _torch_dumps(self.directory)
+        if dumps:  # torch's Flight Recorder wrote its own dump (an NCCL timeout or error)
+            print(f"devicekit run: torch's Flight Recorder dump(s) {', '.join(dumps)} are in"
+                  f" {self.directory}", file=sys.stderr, flush=True)
+        if not (self.keep or dumps):
             shutil.rmtree(self.directory, ignore_errors=True)
         return self.stopped
+
+
+def _torch_dumps(directory: str) -> list[str]:
+    """The Flight Recorder dumps torch wrote into ``directory`` (see :data:`TORCH_DUMP_ENVS`)."""
+    try:
+        return sorted(name for name in os.listdir(directory) if name.startswith(TORCH_DUMP_PREFIX))
+    except OSError:
+        return []
 
 
 def _ranks_in(directory: str) -> list[int]:
