@@ -13,7 +13,7 @@ from tests.conftest import h100
 
 A100 = {"name": "NVIDIA A100-SXM4-40GB", "memory_total": "40GiB", "compute_capability": "8.0"}
 NAMES = ["nvml", "gpus", "torch", "torch_version", "nccl", "cuda_device_order",
-         "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
+         "cuda_visible_devices", "lease_dir", "queue_policy", "pid_namespace", "launcher"]
 
 
 def run_cli(capsys, *args):
@@ -138,8 +138,8 @@ def test_each_check_is_printed_as_soon_as_it_has_run(simulate, capsys, monkeypat
     assert code == 0
     shown = [line.split()[1] for line in seen[0].splitlines()]
     assert shown == ["nvml", "gpus", "cuda_device_order", "cuda_visible_devices"]
-    assert [line.split()[1] for line in out.strip().splitlines()[:3]] == [
-        "lease_dir", "pid_namespace", "launcher"]
+    assert [line.split()[1] for line in out.strip().splitlines()[:4]] == [
+        "lease_dir", "queue_policy", "pid_namespace", "launcher"]
 
 
 def test_terminal_gets_coloured_statuses(simulate, tmp_path):

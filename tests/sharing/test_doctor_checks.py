@@ -235,12 +235,13 @@ def test_run_checks_on_a_simulated_machine(simulate):
     checks = run_checks(env={"CUDA_VISIBLE_DEVICES": "1"})
     names = [c.name for c in checks]
     assert names == ["nvml", "gpus", "torch", "torch_version", "nccl", "cuda_device_order",
-                     "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
+                     "cuda_visible_devices", "lease_dir", "queue_policy", "pid_namespace", "launcher"]
     by_name = {c.name: c for c in checks}
     assert by_name["cuda_device_order"].status == "warn"  # mixed models, index, no PCI_BUS_ID
     assert summarize(checks)["fail"] == 0
     assert [c.name for c in run_checks(env={}, torch=False)] == [
-        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "pid_namespace", "launcher"]
+        "nvml", "gpus", "cuda_device_order", "cuda_visible_devices", "lease_dir", "queue_policy", "pid_namespace",
+        "launcher"]
 
 
 def test_torch_version_against_the_tested_range(monkeypatch):

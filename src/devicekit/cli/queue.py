@@ -134,6 +134,11 @@ def render(doc: dict[str, Any]) -> list[str]:
     lines.append(f"running with a time limit: {len(doc['running'])}")
     if doc["running"]:
         lines.extend(_table(running))
+    ignored = doc.get("ignored") or []
+    if ignored:  # forged or malformed ticket files: another user's text, printed inert
+        lines.append(f"ignored ticket files: {len(ignored)}")
+        lines.extend(_table([["USER", "FILE", "WHY"],
+                             *([i["user"], i["file"], i["why"]] for i in ignored)]))
     return lines
 
 

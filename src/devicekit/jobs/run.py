@@ -73,6 +73,11 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
     try:
         _check_torch_can_use(allocation)
         plan = _build(request, world, allocation, environ)
+        planned = getattr(allocation.selection, "time_limit", None)
+        if planned is not None and (limit is None or planned < limit):
+            plan.notes.append(f"the queue planned this job with its ticket's time limit"
+                              f" ({planned:g} s, its file was changed while waiting): that holds")
+            limit = planned
         plan.time_limit = enforced_limit(limit, plan, allocation.on_gpu)
         warning = interpreter_warning(request.command, plan.env)  # 'python' without the venv
         if warning is not None:

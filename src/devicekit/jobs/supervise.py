@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
+from devicekit.hardware.printable import printable
 from devicekit.jobs.process_tree import ProcessTree
 from devicekit.jobs.run_doctor import HANG_EXIT_CODE, RunDoctor
 from devicekit.sharing.stopped_jobs import StopMarker
@@ -94,6 +95,7 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
                 marker.update(child.pid)  # Ctrl-Z: status tells since when the job is stopped
                 if ticks % 5 == 1:
                     family.update()
+                    _keep_leases(plan)
                 if limit is not None:  # run --time: SIGTERM at the limit, SIGKILL after grace
                     limit.check(child.pid)
                 if doctor is not None and not forwarded and doctor.hung():
@@ -119,6 +121,16 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
         return 128 + signals[0]
     return code
 
+
+
+def _keep_leases(plan: RunPlan) -> None:
+    """The job's leases stay in the lease directory while it runs: a removed directory (and
+    with it the lease files) is made again with them, so nobody else sees its GPUs as free."""
+    lease = getattr(plan.allocation.selection, "lease", None) if plan.allocation else None
+    if lease is None:
+        return
+    for line in lease.restore():
+        print(f"devicekit run: {printable(line)}", file=sys.stderr, flush=True)
 
 
 def _stop_marker(plan: RunPlan) -> StopMarker:

@@ -109,6 +109,8 @@ def enforced_limit(declared: float | None, plan: Any, on_gpu: bool) -> TimeLimit
     from devicekit.sharing.policy import DEFAULT_GRACE, load_policy
 
     policy = load_policy(lease_dir()) if on_gpu or declared is not None else None
+    if policy is not None and policy.note:  # the admin's quotas and limits are not in force
+        plan.notes.append(f"queue policy {policy.note}: no quotas or default time limit apply")
     seconds = declared
     source = "--time"
     if seconds is None and policy is not None and on_gpu:

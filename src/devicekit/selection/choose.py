@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from devicekit.errors import InvalidValueError, NoDeviceAvailable
 from devicekit.hardware.gpu import GPU
@@ -87,6 +88,8 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
                                                   ticket=ticket, gpus=gpus)
             gpus = None  # a later look takes a fresh snapshot
             if selection is not None:
+                limit = _planned_limit(limit, ticket)
+                selection.time_limit = limit
                 return queued(selection, ticket, limit, command, look.directory, look.policy)
             now = time.monotonic()
             if wait is None or now >= deadline or not _waiting_helps(candidates, request):
@@ -111,6 +114,17 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
         return Selection([], [*error.reasons, f"falling back to cpu: {error.summary}"], None,
                          cpu_fallback=True)
     raise error
+
+
+def _planned_limit(declared: float | None, ticket: Any) -> float | None:
+    """The limit to hold the job to: the one the queue planned with. A waiter's ticket file is
+    its owner's to rewrite; a shorter limit there got it backfilled, so that one holds."""
+    if ticket is None:
+        return declared
+    on_file = ticket.time_limit_on_file()
+    if on_file is not None and (declared is None or on_file < declared):
+        return on_file
+    return declared
 
 
 def _waiting_helps(candidates: Sequence[Candidate], request: Request) -> bool:

@@ -34,6 +34,7 @@ from devicekit.selection.ranking import choose, rank, rejected
 from devicekit.selection.result import Selection
 from devicekit.sharing.lease_records import LeaseRecord
 from devicekit.sharing.leases import Lease
+from devicekit.sharing.queue_turn import quota_left
 
 __all__ = ["attempt", "RACE_RETRIES"]
 
@@ -50,8 +51,8 @@ def attempt(request: Request, *, lease: bool, command: str | None, ticket: Any =
     """
     look = take_look(gpus, cleanup=lease)
     if not lease:
-        candidates = apply_verdict(assess(look, request), look, ticket, request.count,
-                                   squatting=True)
+        candidates = _within_quota(apply_verdict(assess(look, request), look, ticket,
+                                                 request.count, squatting=True), look, request)
         chosen = choose(candidates, request)
         selection = (Selection([c.gpu for c in chosen], rejected(candidates, chosen, request))
                      if chosen else None)
@@ -61,6 +62,7 @@ def attempt(request: Request, *, lease: bool, command: str | None, ticket: Any =
             time.sleep(random.uniform(0.005, 0.03) * tries)
             look = look.again(cleanup=True)
         candidates = apply_verdict(assess(look, request), look, ticket, request.count)
+        candidates = _within_quota(candidates, look, request)
         ranked = rank(candidates, request)
         if len(ranked) < (request.count or 1):
             return None, candidates, look
@@ -75,6 +77,19 @@ def attempt(request: Request, *, lease: bool, command: str | None, ticket: Any =
             return Selection([c.gpu for c in chosen], rejected(candidates, chosen, request),
                              held), candidates, look
     return None, candidates, look
+
+
+def _within_quota(candidates: list[Candidate], look: Look, request: Request) -> list[Candidate]:
+    """For ``"all"``: the eligible devices past the user's quota, refused with the quota's
+    reason (a count above the quota is refused by the queue's verdict already)."""
+    if request.count is not None:
+        return candidates
+    left, quota = quota_left(look.policy, look.leases)
+    ranked = rank(candidates, request)
+    if left is None or len(ranked) <= left:
+        return candidates
+    over = {c.gpu.uuid for c in ranked[left:]}
+    return [c.refused(quota) if c.gpu.uuid in over else c for c in candidates]
 
 
 def _share_judge(look: Look, request: Request) -> Any:

@@ -43,6 +43,9 @@ class Selection:
     #: the fair queue's hold (a time-limited job's running ticket, fair-share bookkeeping),
     #: closed on release
     ticket: Any = None
+    #: seconds: the time limit the queue planned this job with (its ticket file's, which its
+    #: owner may have changed while waiting); ``devicekit run`` enforces it. None: none
+    time_limit: float | None = None
 
     @property
     def devices(self) -> list[torch.device]:

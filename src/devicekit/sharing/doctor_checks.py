@@ -33,6 +33,7 @@ __all__ = [
     "check_device_order",
     "check_visible_devices",
     "check_lease_dir",
+    "check_queue_policy",
     "speed_order",
 ]
 
@@ -183,6 +184,24 @@ def check_lease_dir() -> Check:
     return Check("lease_dir", "pass", f"{path} (mode {mode}), {len(live)} live lease(s)")
 
 
+def check_queue_policy() -> Check:
+    """The admin's queue policy (``policy.toml``) is in force, or there is none; an ignored one
+    (malformed, writable by others) means no quotas and no limits, which the admin must know."""
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.policy import load_policy
+
+    try:
+        policy = load_policy(lease_dir())
+    except DeviceKitError as exc:
+        return Check("queue_policy", "skip", f"no lease directory to read a policy from ({exc})")
+    if policy.note:
+        return Check("queue_policy", "warn", f"{policy.note}: the queue runs with no quotas,"
+                     " priorities or default time limit until it is fixed")
+    if not policy.path:
+        return Check("queue_policy", "pass", "no policy.toml: first come, first served, no quotas")
+    return Check("queue_policy", "pass", f"{policy.path} in force")
+
+
 def run_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> list[Check]:
     """Run every check; ``torch=False`` leaves out the (slow to import) torch and NCCL checks."""
     return list(iter_checks(env, torch=torch))
@@ -209,6 +228,7 @@ def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> 
     yield check_device_order(inv, env)
     yield check_visible_devices(inv, env)
     yield check_lease_dir()
+    yield check_queue_policy()
     yield check_pid_namespace(inv, env)
     yield check_launcher(env, visible_gpus=_visible_count(inv, env))
 

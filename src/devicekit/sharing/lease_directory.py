@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import pwd
@@ -196,11 +197,16 @@ def write_locked(directory: Path, final: Path, payload: bytes, what: str) -> int
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.fchmod(fd, 0o644)
-        os.write(fd, payload)
+        if os.write(fd, payload) != len(payload):  # a short write: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         os.close(fd)
+        if isinstance(exc, OSError):  # a full disk, a quota, a directory gone: one line
+            raise LeaseError(f"cannot write {what} in {str(directory)!r} ({exc.strerror or exc});"
+                             f" free space there or set {LEASE_DIR_ENV} to another directory"
+                             ) from None
         raise
     return fd

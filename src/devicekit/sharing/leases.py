@@ -161,6 +161,53 @@ class Lease:
     def gpu_uuids(self) -> list[str]:
         return [r.gpu_uuid for r in self.records]
 
+    def restore(self) -> list[str]:
+        """Re-create the lease files (and their locks) that are gone from the lease directory:
+        removed with the directory while the job runs, which would show its GPUs as free.
+
+        The directory is made again where it is missing (as :func:`lease_dir` makes it); a
+        device another process locked meanwhile cannot be taken back, and that is said. Returns
+        one line per device restored or lost ([] when nothing was missing). Cheap when nothing
+        is: one ``lstat`` per device.
+        """
+        if self.released or os.getpid() != self._owner_pid:
+            return []
+        missing = [i for i, (fd, path) in enumerate(zip(self._file_fds, self._paths, strict=True))
+                   if not _same_file(path, fd)]
+        if not missing:
+            return []
+        try:
+            directory = lease_dir()
+        except LeaseError as exc:
+            return [f"leases on {len(missing)} GPU(s) are gone and cannot be re-created: {exc}"]
+        notes = []
+        for i in missing:
+            record = self.records[i]
+            hold = lock_device(directory, record.gpu_uuid, exclusive=not record.share, kind=HOLD)
+            if isinstance(hold, str):
+                notes.append(f"lease on {record.gpu_uuid} lost with the lease directory: it is"
+                             f" {hold} now")
+                continue
+            try:
+                fd, final = _write_locked(directory, record)
+            except LeaseError as exc:
+                os.close(hold)
+                notes.append(f"lease on {record.gpu_uuid} lost with the lease directory: {exc}")
+                continue
+            for old in (self._file_fds[i], self._lock_fds[i] if i < len(self._lock_fds) else -1):
+                with contextlib.suppress(OSError):
+                    if old >= 0:
+                        os.close(old)
+            self._file_fds[i], self._paths[i] = fd, final
+            if i < len(self._lock_fds):
+                self._lock_fds[i] = hold
+            else:
+                self._lock_fds.append(hold)
+            notes.append(f"lease on {record.gpu_uuid} re-created in {directory} (its file was"
+                         " removed with the lease directory)")
+        self.fds = [*self._file_fds, *self._lock_fds]
+        return notes
+
     def release(self) -> None:
         """Give the GPUs back: delete the files and drop the locks. Safe to call twice."""
         if self.released:
@@ -234,6 +281,13 @@ def _take_one(directory: Path, uuid: str, me: _Identity, judge: Judge | None,
     finally:
         if budget is not None:
             os.close(budget)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.lstat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def _busy_why(directory: Path, uuid: str, share: bool) -> str | None:

@@ -170,6 +170,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
             queue = tuple(waiting_entries(gpus, leases))
         except LeaseError as exc:
             warnings.append(f"queue not shown: {exc}")
+        warnings.extend(_policy_warning())
     return StatusReport(
         host=host(),
         backend=source.name,
@@ -182,6 +183,18 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         stopped=stopped,
         queue=queue,
     )
+
+
+def _policy_warning() -> list[str]:
+    """The queue policy's note when the admin's policy.toml is ignored (no quotas then)."""
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.policy import load_policy
+
+    try:
+        note = load_policy(lease_dir()).note
+    except LeaseError:
+        return []
+    return [f"queue policy {note}: no quotas or limits are in force"] if note else []
 
 
 def _lease_trouble(gpus: Sequence[GPU], leases: Sequence[LeaseRecord], warnings: list[str]

@@ -28,6 +28,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -153,16 +154,18 @@ def _parse(text: str, path: str) -> Policy:
             limits[str(user)] = _count(entry["max_gpus"], f"users.{user}.max_gpus")
         if "priority" in entry:
             value = entry["priority"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"users.{user}.priority {value!r} must be a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"users.{user}.priority {value!r} must be a finite number")
             priorities[str(user)] = float(value)
     quota = data.get("max_gpus_per_user")
     limit = data.get("default_time_limit")
     grace = data.get("time_limit_grace")
     half_life = data.get("fair_share_half_life")
     weight = data.get("fair_share_weight", 10.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        raise ValueError(f"fair_share_weight {weight!r} must be a number >= 0")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+            or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"fair_share_weight {weight!r} must be a finite number >= 0")
     return Policy(
         max_gpus_per_user=_count(quota, "max_gpus_per_user") if quota is not None else None,
         default_time_limit=parse_duration(limit, name="default_time_limit") if limit is not None else None,

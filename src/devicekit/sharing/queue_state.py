@@ -28,7 +28,7 @@ from devicekit.hardware.gpu import GPU
 from devicekit.sharing.lease_records import LeaseRecord
 from devicekit.sharing.policy import Policy, load_policy
 from devicekit.sharing.queue_order import Busy, Decision, Waiting, decide
-from devicekit.sharing.tickets import TicketRecord, read_tickets
+from devicekit.sharing.tickets import IgnoredTicket, TicketFiles, TicketRecord, read_ticket_files
 from devicekit.units import format_size
 
 __all__ = ["QueueEntry", "QueueEntryDoc", "QueueView", "look", "waiting_entries",
@@ -95,9 +95,15 @@ class QueueView:
     #: free GPU uuid -> why it is kept for a ticket ("reserved for ticket 3 (alice, 4 GPUs)")
     reserved: dict[str, str]
     taken_at: float = field(default_factory=time.time)
+    #: live ticket files the queue does not trust (malformed, a number taken twice), with why
+    ignored: tuple[IgnoredTicket, ...] = ()
 
     def entry(self, ticket: str) -> QueueEntry | None:
         return next((e for e in self.waiting if e.record.ticket == ticket), None)
+
+    def entry_at(self, path: str | Path) -> QueueEntry | None:
+        """The entry of the ticket file ``path`` (a waiter's own: its number is only a label)."""
+        return next((e for e in self.waiting if e.record.path == str(path)), None)
 
     def to_dict(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -108,6 +114,7 @@ class QueueView:
                    for r in self.running]
         return {"schema": QUEUE_SCHEMA, "taken_at": self.taken_at,
                 "waiting": [e.to_dict() for e in self.waiting], "running": running,
+                "ignored": [{"file": i.name, "user": i.user, "why": i.why} for i in self.ignored],
                 "policy": {"path": self.policy.path or None,
                            "max_gpus_per_user": self.policy.max_gpus_per_user,
                            "default_time_limit": self.policy.default_time_limit,
@@ -115,25 +122,36 @@ class QueueView:
 
 
 def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord], *,
-         tickets: Sequence[TicketRecord] | None = None, policy: Policy | None = None) -> QueueView:
-    """Decide every live ticket of ``directory`` against ``devices`` held as ``leases`` say."""
-    records = list(read_tickets(directory)) if tickets is None else list(tickets)
+         tickets: Sequence[TicketRecord] | TicketFiles | None = None,
+         policy: Policy | None = None) -> QueueView:
+    """Decide every live ticket of ``directory`` against ``devices`` held as ``leases`` say.
+
+    ``tickets``: what the caller already read (records in queue order, or the files with the
+    ignored ones); read here when None.
+    """
+    files = read_ticket_files(directory) if tickets is None else tickets
+    if not isinstance(files, TicketFiles):
+        files = TicketFiles(tuple(files))
+    records = list(files.tickets)
     policy = load_policy(directory) if policy is None else policy
     labels = {g.uuid: g.label for g in devices}
     if not records:
-        return QueueView((), (), policy, labels, {})
+        return QueueView((), (), policy, labels, {}, ignored=files.ignored)
     now = time.monotonic()
     running = [t for t in records if t.state == "running"]
     waiting = [t for t in records if t.state == "waiting"]
-    ends: dict[str, float] = {}
+    # a running ticket tells when its GPUs free up, believed only for leases its own process
+    # holds (a ticket file cannot speak for another user's GPUs)
+    ends: dict[tuple[str, str, int], float] = {}
     for r in running:
         for u in r.gpus:
             if r.ends is not None:
-                ends[u] = r.ends
+                ends[(u, r.user, r.pid)] = r.ends
     busy: dict[str, Busy] = {}
     for lease in leases:
         if lease.gpu_uuid not in busy:
-            busy[lease.gpu_uuid] = Busy(lease.describe(), lease.user, ends.get(lease.gpu_uuid))
+            busy[lease.gpu_uuid] = Busy(lease.describe(), lease.user,
+                                        ends.get((lease.gpu_uuid, lease.user, lease.pid)))
     by_uuid = {g.uuid: g for g in devices}
     bonus: dict[str, float] = {}
     if policy.fair_share_half_life is not None:  # light recent users first
@@ -155,7 +173,7 @@ def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
         for u in e.decision.grant:  # about to be taken by that ticket's waiter
             reserved[u] = (f"reserved for ticket {e.record.ticket} ({e.record.user},"
                            f" {e.record.count} GPU(s), starting)")
-    return QueueView(entries, tuple(running), policy, labels, reserved)
+    return QueueView(entries, tuple(running), policy, labels, reserved, ignored=files.ignored)
 
 
 def waiting_entries(gpus: Sequence[GPU], leases: Sequence[LeaseRecord]) -> list[QueueEntryDoc]:

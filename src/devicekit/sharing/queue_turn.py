@@ -32,7 +32,7 @@ from devicekit.sharing.policy import Policy, load_policy
 from devicekit.sharing.queue_state import look
 from devicekit.sharing.tickets import Ticket, read_tickets
 
-__all__ = ["join", "join_for", "blocked", "mark_running", "queued"]
+__all__ = ["join", "join_for", "blocked", "mark_running", "queued", "quota_left"]
 
 
 def join(directory: Path, *, count: int, candidates: Sequence[str], min_free: int | None,
@@ -57,6 +57,11 @@ def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecor
     directory's policy when the caller has read it already.
     """
     if ticket is not None and ticket.cancelled():
+        if ticket.directory_gone():
+            raise NoDeviceAvailable(
+                f"the lease directory {str(directory)!r} was removed while ticket {ticket.ticket}"
+                " waited in it (nobody cancelled it); the queue's order is lost: run again",
+                waiting_helps=False)
         raise NoDeviceAvailable(f"ticket {ticket.ticket} was cancelled ('devicekit queue cancel');"
                                 " not waiting any longer", waiting_helps=False)
     policy = load_policy(directory) if policy is None else policy
@@ -70,7 +75,7 @@ def blocked(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecor
     view = look(directory, devices, leases, tickets=records, policy=policy)
     if ticket is None:
         return dict(view.reserved)
-    entry = view.entry(ticket.ticket)
+    entry = view.entry_at(ticket.path)
     if entry is None:  # our file is unreadable to the decision: wait, never jump the queue
         return {g.uuid: f"ticket {ticket.ticket} is not in the queue yet" for g in devices}
     grant = entry.decision.grant
@@ -121,6 +126,17 @@ def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None
     if using + (count or 1) <= limit:
         return ""
     return f"Quota: {me} uses {using} of {limit} GPU(s), asks {count or 1}"
+
+
+def quota_left(policy: Policy, leases: Sequence[LeaseRecord]) -> tuple[int | None, str]:
+    """How many more GPUs this user may take under the policy (None: no quota), and the quota
+    in words for a reason ("Quota: alice may hold 1 GPU(s)")."""
+    me = user_name(os.geteuid())
+    limit = policy.user_limits.get(me, policy.max_gpus_per_user)
+    if limit is None:
+        return None, ""
+    using = len({r.gpu_uuid for r in leases if r.user == me})
+    return max(limit - using, 0), f"Quota: {me} may hold {limit} GPU(s), holds {using}"
 
 
 def mark_running(directory: Path, ticket: Ticket | None, gpus: Sequence[str], *,

@@ -2,12 +2,21 @@
 
 A ticket is ``q.<seq>.<pid>.<token>.ticket`` (JSON) kept under an exclusive ``flock`` by the
 process that took it, exactly like a lease file: a killed waiter's ticket is dead at once (its
-lock is gone) and is ignored by everyone, then removed by its owner's next look. ``seq`` is the
-arrival order: taken under the directory's ``queue.lock`` as one more than every ticket file
-present, so ordering never depends on the wall clock. The owner is the file's owner, never
-what the file says; a ticket is at most 64 KiB and read as inert data (JSON, never unpickled).
-A waiter whose ticket file was removed (``devicekit queue cancel``: the sticky directory lets
-only its owner or root remove it) stops waiting.
+lock is gone) and is ignored by everyone, then removed by its owner's next look. The owner is
+the file's owner, never what the file says; a ticket is at most 64 KiB and read as inert data
+(JSON, never unpickled). A waiter whose ticket file was removed (``devicekit queue cancel``: the
+sticky directory lets only its owner or root remove it) stops waiting.
+
+A ticket's place comes from what its owner cannot rewrite: the file's inode change time
+(``st_ctime``), which no plain user can set back (any rename or write moves it to now, so
+rewriting a ticket can only move it to the back). Its number, the one in its *file name* (one
+more than every ticket present when it joined), is a label for ``devicekit queue cancel``: a
+second live ticket with a number already taken, a JSON that contradicts its name, or malformed
+values (``count`` of ``1e999``, a negative or infinite limit) make a ticket *ignored*: it never
+crashes a reader and never takes another ticket's row; :func:`read_ticket_files` says which and
+why (``devicekit queue`` shows them). Numbering needs no lock another user could hold: two
+tickets that picked the same number in the same instant are told apart by their change time,
+and the later one renumbers itself at once.
 
 A ticket is ``waiting`` until its job gets its GPUs; a job with a time limit keeps it as
 ``running`` (its GPUs and the monotonic time by which the limit frees them) so that later
@@ -28,6 +37,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import stat
 import time
@@ -36,16 +46,21 @@ from pathlib import Path
 from typing import Any
 
 from devicekit.errors import LeaseError
-from devicekit.sharing.device_locks import lock_device
 from devicekit.sharing.lease_directory import OPEN_FLAGS, user_name, write_locked
 
-__all__ = ["Ticket", "TicketRecord", "read_tickets", "cancel_ticket", "SUFFIX"]
+__all__ = ["Ticket", "TicketRecord", "IgnoredTicket", "TicketFiles", "read_tickets",
+           "read_ticket_files", "cancel_ticket", "SUFFIX"]
 
 SUFFIX = ".ticket"
 _PREFIX = "q."
 _MAX_TICKET = 64 * 1024
-#: how long taking a ticket waits for another one being numbered (milliseconds of work)
-_ORDER_PATIENCE = 10.0
+#: ticket numbers above this are not numbers devicekit gives (a renamed file): ignored; past
+#: it, a new ticket takes the smallest free number instead
+_MAX_SEQ = 10**9
+#: GPUs one ticket may ask for, and GPU uuids it may list
+_MAX_COUNT = 4096
+#: attempts at a number of one's own when others joined in the same instant
+_NUMBERING_TRIES = 20
 
 
 @dataclass(frozen=True)
@@ -79,12 +94,15 @@ class TicketRecord:
     #: monotonic time by which a running job's limit frees its GPUs (None: unknown)
     ends: float | None = None
     path: str = ""
+    #: the file's inode change time (ns): when it joined, as no plain user can forge it
+    joined_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
         data = asdict(self)
         data.pop("path")
+        data.pop("joined_ns")
         data["candidates"] = list(self.candidates)
         data["gpus"] = list(self.gpus)
         return data
@@ -97,6 +115,10 @@ class Ticket:
         self.directory, self.path, self._fd, self.data = directory, path, fd, data
         self._owner_pid = os.getpid()
         self.closed = False
+        try:
+            self._directory_ino: int | None = os.stat(directory).st_ino
+        except OSError:
+            self._directory_ino = None
 
     @property
     def ticket(self) -> str:
@@ -104,20 +126,40 @@ class Ticket:
 
     @classmethod
     def take(cls, directory: Path, fields: dict[str, Any]) -> Ticket:
-        """Number a new ticket after every present one and write it, locked, into ``directory``."""
-        order = lock_device(directory, "queue", exclusive=True, kind=".lock",
-                            patience=_ORDER_PATIENCE)
-        if isinstance(order, str):
-            raise LeaseError(f"cannot join the GPU queue in {str(directory)!r}: queue.lock {order}")
+        """Number a new ticket after every present one and write it, locked, into ``directory``.
+
+        No lock is taken (one any user could hold would stop everyone joining): the number is
+        one more than every present ticket's; should another ticket have taken the same number
+        (or a higher one) a moment before ours, ours is renumbered after it.
+        """
+        seq = _next_seq(directory)
+        data = {"version": 1, "seq": seq, "pid": os.getpid(), "host": os.uname().nodename,
+                "since": time.time(), "state": "waiting", **fields}
+        token = os.urandom(4).hex()
+        path = directory / _name(seq, token)
+        fd = _write_locked(directory, path, data)
+        ticket = cls(directory, path, fd, data)
         try:
-            seq = 1 + max((_seq_of(n) for n in _names(directory)), default=0)
-            data = {"version": 1, "seq": seq, "pid": os.getpid(), "host": os.uname().nodename,
-                    "since": time.time(), "state": "waiting", **fields}
-            name = f"{_PREFIX}{seq:09d}.{os.getpid()}.{os.urandom(4).hex()}{SUFFIX}"
-            fd = _write_locked(directory, directory / name, data)
-        finally:
-            os.close(order)
-        return cls(directory, directory / name, fd, data)
+            for _ in range(_NUMBERING_TRIES):
+                if not _overtaken(directory, path, seq, os.fstat(fd).st_ctime_ns):
+                    return ticket
+                seq = _next_seq(directory)
+                ticket._renumber(seq, token)
+                fd = ticket._fd
+        except BaseException:
+            ticket.close()
+            raise
+        ticket.close()
+        raise LeaseError(f"cannot join the GPU queue in {str(directory)!r}: {_NUMBERING_TRIES}"
+                         " other tickets joined in the same instant; try again")
+
+    def _renumber(self, seq: int, token: str) -> None:
+        """Give this ticket ``seq`` (its file renamed, its JSON rewritten to match)."""
+        old = self.path
+        self.path = self.directory / _name(seq, token)
+        self.update(seq=seq)
+        with contextlib.suppress(OSError):
+            os.unlink(old)
 
     def cancelled(self) -> bool:
         """Whether the ticket file was removed (cancelled) or replaced by someone else."""
@@ -125,6 +167,22 @@ class Ticket:
             return os.lstat(self.path).st_ino != os.fstat(self._fd).st_ino
         except OSError:
             return True
+
+    def directory_gone(self) -> bool:
+        """Whether the lease directory itself was removed or replaced since the ticket was taken
+        (then a missing ticket file is no cancellation)."""
+        try:
+            return os.stat(self.directory).st_ino != self._directory_ino
+        except OSError:
+            return True
+
+    def time_limit_on_file(self) -> float | None:
+        """The time limit the queue reads for this ticket now (its file may have been rewritten
+        by its owner): what the job must be held to, since the queue planned with it."""
+        got = _read_live(self.path)
+        if got is None or got[2] is None:
+            return _limit(self.data.get("time_limit"))
+        return _limit(got[2].get("time_limit")) if isinstance(got[2], dict) else None
 
     def update(self, **changes: Any) -> None:
         """Rewrite the ticket (atomically, still locked) with ``changes``."""
@@ -155,9 +213,45 @@ def _names(directory: Path) -> list[str]:
         raise LeaseError(f"lease directory {str(directory)!r} cannot be listed ({exc.strerror})") from None
 
 
+def _name(seq: int, token: str) -> str:
+    return f"{_PREFIX}{seq:09d}.{os.getpid()}.{token}{SUFFIX}"
+
+
 def _seq_of(name: str) -> int:
+    """The number in a ticket's file name (0: not a number devicekit gives)."""
     part = name[len(_PREFIX):].split(".", 1)[0]
-    return int(part) if part.isdigit() and len(part) < 12 else 0
+    return int(part) if part.isdigit() and len(part) <= 10 and int(part) <= _MAX_SEQ else 0
+
+
+def _pid_of(name: str) -> int | None:
+    parts = name[len(_PREFIX):].split(".")
+    return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() and len(parts[1]) < 12 else None
+
+
+def _next_seq(directory: Path) -> int:
+    """One more than every ticket number present; the smallest free one past :data:`_MAX_SEQ`
+    (a renamed ticket can make numbers jump, never run out)."""
+    taken = {_seq_of(n) for n in _names(directory)} - {0}
+    following = 1 + max(taken, default=0)
+    if following <= _MAX_SEQ:
+        return following
+    return next(n for n in range(1, len(taken) + 2) if n not in taken)
+
+
+def _overtaken(directory: Path, path: Path, seq: int, ctime_ns: int) -> bool:
+    """Whether another ticket file with our number changed before ours: a ticket that joined in
+    the same instant and took the same number (ours must then take another)."""
+    for name in _names(directory):
+        other = directory / name
+        if other == path or _seq_of(name) != seq:
+            continue
+        try:
+            info = os.lstat(other)
+        except OSError:
+            continue
+        if (info.st_ctime_ns, name) < (ctime_ns, path.name):
+            return True
+    return False
 
 
 def _write_locked(directory: Path, final: Path, data: dict[str, Any]) -> int:
@@ -165,10 +259,35 @@ def _write_locked(directory: Path, final: Path, data: dict[str, Any]) -> int:
     return write_locked(directory, final, json.dumps(data, sort_keys=True).encode(), "a queue ticket")
 
 
+@dataclass(frozen=True)
+class IgnoredTicket:
+    """A live ticket file the queue does not trust, and why (shown by ``devicekit queue``)."""
+
+    name: str
+    user: str
+    why: str
+
+
+@dataclass(frozen=True)
+class TicketFiles:
+    """What the lease directory's ticket files say: the trusted tickets in queue order, and
+    the ignored ones."""
+
+    tickets: tuple[TicketRecord, ...]
+    ignored: tuple[IgnoredTicket, ...] = ()
+
+
 def read_tickets(directory: Path, *, cleanup: bool = True) -> list[TicketRecord]:
-    """Every live ticket, in arrival order; dead ones (holder gone) are skipped (and removed
-    where this user may). Unreadable or malformed files are skipped, never trusted."""
-    out: list[TicketRecord] = []
+    """Every live, trusted ticket, in arrival order (see :func:`read_ticket_files`)."""
+    return list(read_ticket_files(directory, cleanup=cleanup).tickets)
+
+
+def read_ticket_files(directory: Path, *, cleanup: bool = True) -> TicketFiles:
+    """Every live ticket, in arrival order, and those ignored (malformed or out of order) with
+    why; dead ones (holder gone) are skipped (and removed where this user may). Files are read
+    as inert data, never trusted beyond what is checked here."""
+    found: list[TicketRecord] = []
+    ignored: list[IgnoredTicket] = []
     for name in _names(directory):
         path = directory / name
         got = _read_live(path)
@@ -180,11 +299,28 @@ def read_tickets(directory: Path, *, cleanup: bool = True) -> list[TicketRecord]
                 with contextlib.suppress(OSError):  # another user's: theirs to remove
                     os.unlink(path)
             continue
-        record = _record(path, info, data)
-        if record is not None:
-            out.append(record)
-    out.sort(key=lambda r: (r.seq, r.path))
-    return out
+        record, why = _record(path, info, data)
+        if record is None:
+            ignored.append(IgnoredTicket(name[:200], user_name(info.st_uid), why))
+        else:
+            found.append(record)
+    return _in_order(found, ignored)
+
+
+def _in_order(found: list[TicketRecord], ignored: list[IgnoredTicket]) -> TicketFiles:
+    """Tickets in the order they joined (inode change time, which no plain user can set back),
+    waiting ones first; a second live ticket with a number already taken is ignored."""
+    trusted: list[TicketRecord] = []
+    first: dict[int, TicketRecord] = {}
+    for t in sorted(found, key=lambda t: (t.state != "waiting", t.joined_ns, t.path)):
+        if t.seq in first:
+            ignored.append(IgnoredTicket(
+                Path(t.path).name[:200], t.user,
+                f"a second ticket numbered {t.seq} ({first[t.seq].user}'s joined first)"))
+            continue
+        first[t.seq] = t
+        trusted.append(t)
+    return TicketFiles(tuple(trusted), tuple(ignored))
 
 
 def _read_live(path: Path) -> tuple[bool, os.stat_result, Any] | None:
@@ -214,27 +350,72 @@ def _read_live(path: Path) -> tuple[bool, os.stat_result, Any] | None:
         os.close(fd)
 
 
-def _record(path: Path, info: os.stat_result, data: Any) -> TicketRecord | None:
-    def number(key: str) -> float | None:
-        value = data.get(key)
-        return float(value) if value is not None else None
-
-    try:
-        min_free = data.get("min_free")
-        return TicketRecord(
-            ticket=str(int(data["seq"])), seq=int(data["seq"]), user=user_name(info.st_uid),
-            pid=int(data["pid"]), host=str(data.get("host", ""))[:200],
-            command=str(data.get("command", ""))[:200], count=int(data["count"]),
-            candidates=tuple(str(u)[:200] for u in data.get("candidates", [])[:1024]),
-            min_free=int(min_free) if min_free is not None else None,
-            max_util=number("max_util"), filters=str(data.get("filters", ""))[:200],
-            since=float(data.get("since", info.st_mtime)), time_limit=number("time_limit"),
-            grace=float(data.get("grace", 0.0)), state=str(data.get("state", "waiting")),
-            gpus=tuple(str(u)[:200] for u in data.get("gpus", [])[:1024]), ends=number("ends"),
-            path=str(path),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
+def _limit(value: Any) -> float | None:
+    """A time limit from a ticket: None, or a finite number of seconds > 0 (else ValueError)."""
+    if value is None:
         return None
+    return _number(value, "time_limit", low=0.0, inclusive=False)
+
+
+def _number(value: Any, key: str, *, low: float = 0.0, high: float = math.inf,
+            inclusive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} {str(value)[:40]!r} is not a number")
+    number = float(value)
+    if not math.isfinite(number) or number < low or (not inclusive and number == low) \
+            or number > high:
+        raise ValueError(f"{key} {str(value)[:40]} is out of range")
+    return number
+
+
+def _whole(value: Any, key: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} {str(value)[:40]!r} is not a whole number from {low} to {high}")
+    return value
+
+
+def _uuids(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_COUNT:
+        raise ValueError(f"{key} is not a list of GPUs")
+    return tuple(str(u)[:200] for u in value)
+
+
+def _record(path: Path, info: os.stat_result, data: Any) -> tuple[TicketRecord | None, str]:
+    """The ticket ``data`` (its file ``path``) as a record, or None and why it is not trusted."""
+    try:
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        seq = _seq_of(path.name)
+        if not seq:
+            raise ValueError("its name carries no ticket number")
+        if data.get("seq") != seq:
+            raise ValueError(f"its JSON says ticket {str(data.get('seq'))[:20]} but its name {seq}")
+        pid = _whole(data.get("pid"), "pid", low=1, high=2**31)
+        if _pid_of(path.name) != pid:
+            raise ValueError(f"its JSON says pid {pid} but its name does not")
+        state = data.get("state", "waiting")
+        if state not in ("waiting", "running"):
+            raise ValueError(f"state {str(state)[:20]!r} is neither waiting nor running")
+        min_free = data.get("min_free")
+        max_util = data.get("max_util")
+        ends = data.get("ends")
+        return TicketRecord(
+            ticket=str(seq), seq=seq, user=user_name(info.st_uid), pid=pid,
+            host=str(data.get("host", ""))[:200], command=str(data.get("command", ""))[:200],
+            count=_whole(data.get("count"), "count", low=1, high=_MAX_COUNT),
+            candidates=_uuids(data.get("candidates", []), "candidates"),
+            min_free=None if min_free is None else _whole(min_free, "min_free", low=0, high=2**62),
+            max_util=None if max_util is None else _number(max_util, "max_util", high=100.0),
+            filters=str(data.get("filters", ""))[:200],
+            since=_number(data.get("since", info.st_mtime), "since"),
+            time_limit=_limit(data.get("time_limit")),
+            grace=_number(data.get("grace", 0.0), "grace", high=86400.0 * 365),
+            state=state, gpus=_uuids(data.get("gpus", []), "gpus"),
+            ends=None if ends is None else _number(ends, "ends"),
+            path=str(path), joined_ns=info.st_ctime_ns,
+        ), ""
+    except (TypeError, ValueError, OverflowError) as exc:
+        return None, f"malformed: {str(exc)[:120]}"
 
 
 def cancel_ticket(directory: Path, ticket: str) -> TicketRecord:
