@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import devicekit as dk
 from devicekit.hardware.inventory import gpus
 from devicekit.selection.choose import select_gpus
 from devicekit.sharing.lease_directory import lease_dir
@@ -34,3 +35,30 @@ def test_a_filtered_ticket_reserves_only_gpus_it_can_use(simulate: Callable[...,
         finally:
             for t in (big, any_gpu, two):
                 t.close()
+
+
+def test_a_view_is_of_one_moment_even_when_a_lease_is_taken_while_it_reads(simulate, monkeypatch):
+    """status, queue and serve read leases and tickets at one moment: a lease taken between the
+    two reads (here, while the tickets are read) makes the look start again."""
+    from devicekit.sharing import queue_state
+    from devicekit.sharing.leases import Lease
+
+    simulate([h100(), h100()])
+    gpu = dk.gpus()[0]
+    directory = lease_dir()
+    taken: list[Lease] = []
+    real = queue_state.read_ticket_files
+
+    def tickets_while_a_job_starts(*args, **kwargs):
+        if not taken:
+            taken.append(Lease.acquire([gpu.uuid]))  # the directory changes mid-look
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(queue_state, "read_ticket_files", tickets_while_a_job_starts)
+    try:
+        leases, files = queue_state.read_moment(directory)
+        assert [r.gpu_uuid for r in leases] == [gpu.uuid]  # the second look saw the lease
+        assert files.tickets == ()
+    finally:
+        for lease in taken:
+            lease.release()

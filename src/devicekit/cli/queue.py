@@ -28,14 +28,14 @@ def collect() -> Any:
     from devicekit.hardware import inventory
     from devicekit.hardware.mig import leasable_devices
     from devicekit.sharing.lease_directory import DEFAULT_LEASE_DIR, LEASE_DIR_ENV, lease_dir
-    from devicekit.sharing.leases import read_leases
-    from devicekit.sharing.queue_state import look
+    from devicekit.sharing.queue_state import look, read_moment
 
     raw = os.environ.get(LEASE_DIR_ENV) or DEFAULT_LEASE_DIR
     if not os.path.lexists(Path(raw).expanduser()):  # a look never creates the directory
         return None
     directory = lease_dir()
-    return look(directory, leasable_devices(inventory.gpus()), read_leases(directory))
+    leases, tickets = read_moment(directory)  # leases and tickets of one moment
+    return look(directory, leasable_devices(inventory.gpus()), leases, tickets=tickets)
 
 
 @click.group("queue", invoke_without_command=True,

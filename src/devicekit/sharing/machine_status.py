@@ -153,11 +153,14 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         if hidden:
             warnings.append(hidden)  # GPUs that look unused may be used from outside
     leases: tuple[LeaseRecord, ...] = ()
+    tickets: Any = None
     if include_leases and _lease_dir_exists():  # a read-only look: never create the directory
-        from devicekit.sharing.leases import read_leases
+        from devicekit.sharing.lease_directory import lease_dir
+        from devicekit.sharing.queue_state import read_moment
 
-        try:
-            leases = tuple(read_leases())
+        try:  # leases and queue tickets as they were at one moment
+            got, tickets = read_moment(lease_dir())
+            leases = tuple(got)
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
     blocked, stopped = _lease_trouble(gpus, leases, warnings) if include_leases else ({}, {})
@@ -167,7 +170,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         from devicekit.sharing.queue_state import waiting_entries
 
         try:  # the fair queue: waiting tickets, their reserved GPUs and reasons
-            queue = tuple(waiting_entries(gpus, leases))
+            queue = tuple(waiting_entries(gpus, leases, tickets))
         except LeaseError as exc:
             warnings.append(f"queue not shown: {exc}")
         warnings.extend(_policy_warning())

@@ -18,6 +18,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from devicekit.sharing.queue_order import Busy, Decision, Waiting, decide
 from devicekit.sharing.tickets import IgnoredTicket, TicketFiles, TicketRecord, read_ticket_files
 from devicekit.units import format_size
 
-__all__ = ["QueueEntry", "QueueEntryDoc", "QueueView", "look", "waiting_entries",
+__all__ = ["QueueEntry", "QueueEntryDoc", "QueueView", "look", "read_moment", "waiting_entries",
            "QUEUE_SCHEMA"]
 
 #: version of the ``devicekit queue --json`` document (fields only added within one number)
@@ -176,13 +177,50 @@ def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
     return QueueView(entries, tuple(running), policy, labels, reserved, ignored=files.ignored)
 
 
-def waiting_entries(gpus: Sequence[GPU], leases: Sequence[LeaseRecord]) -> list[QueueEntryDoc]:
-    """The waiting tickets of the configured lease directory as ``devicekit status`` shows them."""
+#: looks at the lease directory before a view settles for one that changed while it was read
+_MOMENT_TRIES = 5
+
+
+def read_moment(directory: Path) -> tuple[list[LeaseRecord], TicketFiles]:
+    """The live leases and tickets of ``directory`` as they were at one moment.
+
+    Reading leases and then tickets can mix two moments (a job shown waiting whose lease was
+    just taken, a GPU shown free whose ticket just went): the directory's modification time
+    changes with every lease or ticket taken, released or rewritten (each is a file created,
+    renamed or removed), so the look is repeated until it did not change while being read.
+    After a few busy tries the last look is returned as it is. Nothing is cleaned up here.
+    """
+    from devicekit.sharing.lease_records import read_leases
+
+    for _ in range(_MOMENT_TRIES):
+        before = _changed_ns(directory)
+        leases = read_leases(directory)
+        files = read_ticket_files(directory, cleanup=False)
+        if before is not None and _changed_ns(directory) == before:
+            break
+    return leases, files
+
+
+def _changed_ns(directory: Path) -> int | None:
+    try:
+        return os.stat(directory).st_mtime_ns
+    except OSError:
+        return None
+
+
+def waiting_entries(gpus: Sequence[GPU], leases: Sequence[LeaseRecord] | None = None,
+                    tickets: TicketFiles | None = None) -> list[QueueEntryDoc]:
+    """The waiting tickets of the configured lease directory as ``devicekit status`` shows them
+    (``leases`` and ``tickets`` read together by :func:`read_moment`; read here when None)."""
     from devicekit.hardware.mig import leasable_devices
     from devicekit.sharing.lease_directory import lease_dir
 
     directory = lease_dir()
-    return [e.to_dict() for e in look(directory, leasable_devices(gpus), leases).waiting]
+    files = tickets
+    if leases is None:
+        leases, files = read_moment(directory)
+    return [e.to_dict() for e in look(directory, leasable_devices(gpus), leases,
+                                      tickets=files).waiting]
 
 
 def _waiting(t: TicketRecord, by_uuid: dict[str, GPU], busy: dict[str, Busy],
