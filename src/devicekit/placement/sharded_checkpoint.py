@@ -106,8 +106,10 @@ def save_sharded(obj: Any, path: Path) -> Path:
 def load_sharded(path: Path, into: Any = None) -> Any:
     """Load the DCP directory ``path`` in place into ``into`` (a module or dict), or whole.
 
-    The metadata is read through an allow-list and non-tensor items with ``weights_only``
-    (:mod:`devicekit.placement.safe_dcp`): a malicious directory is refused, never run.
+    The metadata is read through an allow-list, data files only as regular files inside the
+    directory (no links, FIFOs or devices) and no further than the metadata allows, and
+    non-tensor items with ``weights_only`` (:mod:`devicekit.placement.safe_dcp`): a malicious
+    directory is refused in one line, never run, never a hang.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -116,10 +118,12 @@ def load_sharded(path: Path, into: Any = None) -> Any:
         SafeEmptyLoadPlanner,
         SafeLoadPlanner,
         SafeReader,
+        check_storage,
         read_metadata,
     )
 
-    read_metadata(path / ".metadata")  # refused here, before DCP (which logs and retries)
+    metadata = read_metadata(path / ".metadata")  # refused here, before DCP (which logs and
+    check_storage(metadata, path)                   # retries); SafeReader checks as it reads
     state: Any = {} if into is None else _state(into)
     planner = SafeEmptyLoadPlanner() if into is None else SafeLoadPlanner()
     try:
@@ -128,10 +132,11 @@ def load_sharded(path: Path, into: Any = None) -> Any:
             if into is None:  # as torch's dcp_to_torch_save does, with the safe reader
                 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-                _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=planner,
-                                 no_dist=True)
+                _load_state_dict(state, storage_reader=SafeReader(str(path), metadata=metadata),
+                                 planner=planner, no_dist=True)
             else:
-                dcp.load(state, storage_reader=SafeReader(str(path)), planner=planner)
+                dcp.load(state, storage_reader=SafeReader(str(path), metadata=metadata),
+                         planner=planner)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
