@@ -32,7 +32,6 @@ import contextlib
 import multiprocessing
 import os
 import pickle
-import re
 import shutil
 import signal
 import socket
@@ -54,6 +53,7 @@ from devicekit.jobs.hang_report import (
     diagnose,
 )
 from devicekit.jobs.rank_process import STACK_SIGNAL, rank_main
+from devicekit.jobs.rank_stacks import complete, in_collective, innermost_frame, read_text
 from devicekit.jobs.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
@@ -312,7 +312,7 @@ class _Job:
         collective that breaks because a peer died or raised is the consequence, not the cause."""
         def order(rank: int) -> tuple[bool, float]:
             when, _, text = self.failures[rank]
-            return _in_collective(text), when
+            return in_collective(text), when
 
         rank = min(self.failures, key=order)
         _, message, text = self.failures[rank]
@@ -355,10 +355,10 @@ class _Job:
                 except ProcessLookupError:
                     pass
         until = time.monotonic() + STACK_WAIT_SECONDS
-        stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
-        while time.monotonic() < until and not all(_complete(text) for text in stacks.values()):
+        stacks = {rank: read_text(self.stack_path(rank)) for rank in stuck}
+        while time.monotonic() < until and not all(complete(text) for text in stacks.values()):
             time.sleep(0.05)
-            stacks = {rank: _read(self.stack_path(rank)) for rank in stuck}
+            stacks = {rank: read_text(self.stack_path(rank)) for rank in stuck}
         waiting = [r for r in stuck if "torch/distributed" in stacks[r]]
         culprits = [r for r in stuck if r not in waiting] or stuck
         if report is not None and report.answered:
@@ -366,8 +366,8 @@ class _Job:
         detail = ""
         if waiting and culprits != stuck:
             detail = f"; ranks {waiting} wait in a collective for rank(s) {culprits}"
-        where = "".join(f"; rank {r} at {_innermost_frame(stacks.get(r, ''))}"
-                        for r in culprits if _innermost_frame(stacks.get(r, "")))
+        where = "".join(f"; rank {r} at {innermost_frame(stacks.get(r, ''))}"
+                        for r in culprits if innermost_frame(stacks.get(r, "")))
         if stalled and self.watch is not None:
             what = f"made no progress for {self.watch.limit(self.watch.progress()):g} s"
         elif started:
@@ -439,32 +439,3 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _in_collective(text: str) -> bool:
-    """True for a traceback that goes through torch.distributed (most likely a broken collective)."""
-    return "torch/distributed" in text.replace("\\", "/")
-
-
-def _innermost_frame(stack: str) -> str:
-    """``file:line in function`` of the innermost frame of the main thread in a faulthandler dump."""
-    lines = stack.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
-    for line in lines[(start or 0) + 1 :]:
-        match = re.match(r'\s*File "(.+)", line (\d+) in (\S+)', line)
-        if match:
-            return f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}"
-    return ""
-
-
-def _complete(stack: str) -> bool:
-    """True once a faulthandler dump has reached the main thread's outermost frame."""
-    return "Current thread" in stack and stack.rstrip().endswith("in <module>")
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return ""
