@@ -253,3 +253,18 @@ def test_the_rank_that_failed_first_is_blamed_not_its_peers() -> None:
     job.receive(2, ("error", "RuntimeError: timeout", broken, 99.0))
     with pytest.raises(dk.RankFailedError, match="rank 2 of 3"):
         job.blame()
+
+
+def flight_recorder_dump_paths() -> list[str | None]:
+    import os
+
+    return [os.environ.get("TORCH_FR_DUMP_TEMP_FILE"), os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")]
+
+
+def test_flight_recorder_dumps_go_to_the_jobs_private_directory(monkeypatch) -> None:
+    """torch's default dump path is a predictable /tmp name another user can plant a symlink at."""
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
+    (paths,) = dk.launch(flight_recorder_dump_paths, nprocs=1, devices="cpu", timeout=60)
+    assert paths[0] == paths[1] and "devicekit-launch-" in paths[0]
+    assert paths[0].endswith("nccl_trace_rank_")

@@ -54,6 +54,7 @@ from devicekit.jobs.hang_report import (
 )
 from devicekit.jobs.rank_process import STACK_SIGNAL, rank_main
 from devicekit.jobs.rank_stacks import complete, in_collective, innermost_frame, read_text
+from devicekit.jobs.run_doctor import TORCH_DUMP_ENVS, TORCH_DUMP_PREFIX
 from devicekit.jobs.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
 from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
@@ -184,6 +185,10 @@ class _Job:
         if self.backend is not None:  # the ranks record their collectives (dk.dist.init)
             env[HANG_DIR_ENV] = self.hang_dir
             env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
+            if not any(os.environ.get(name) for name in TORCH_DUMP_ENVS):
+                # torch's own default is a predictable /tmp name another user can plant
+                for name in TORCH_DUMP_ENVS:
+                    env[name] = os.path.join(self.workdir, TORCH_DUMP_PREFIX)
         if self.world > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(omp_threads(self.world))
         return env
