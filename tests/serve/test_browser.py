@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import devicekit as dk
-from devicekit.sharing.leases import Lease
 from devicekit.serve import StatusServer
+from devicekit.sharing.leases import Lease
 from tests.serve.conftest import machine
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -160,3 +160,31 @@ def test_ipv6_loopback_and_names(simulate):
         assert server.url.startswith("http://[::1]:") and server.loopback_only
         with urllib.request.urlopen(server.url + "api/status", timeout=30) as response:
             assert response.status == 200
+
+
+def test_allow_host_reaches_the_server(simulate):
+    """``--allow-host NAME``: requests naming NAME are answered, other names get 403."""
+    import http.client
+
+    path = simulate(machine())
+    proc, line = _start(path, "--allow-host", "gpu1.lab.example", "--allow-host", "gpu1")
+    try:
+        host, port = line.split()[2].removeprefix("http://").rstrip("/").rsplit(":", 1)
+        answers = {}
+        for name in ("gpu1.lab.example:9400", "gpu1", "evil.example"):
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.putrequest("GET", "/metrics", skip_host=True)
+            conn.putheader("Host", name)
+            conn.endheaders()
+            response = conn.getresponse()
+            answers[name] = (response.status, response.read())
+            conn.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert answers["gpu1.lab.example:9400"][0] == answers["gpu1"][0] == 200
+    status, body = answers["evil.example"]
+    assert status == 403 and body.count(b"\n") == 1 and b"--allow-host evil.example" in body

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import devicekit as dk
 from devicekit.cli.main import main
-from devicekit.sharing.leases import Lease
 from devicekit.serve.prometheus import GPU_GAUGES
+from devicekit.sharing.leases import Lease
 from tests.serve.conftest import ALICE, HOSTILE_COMMAND, HOSTILE_USER, get, get_json, wait_for
 
 

@@ -4,7 +4,6 @@ gives reach /metrics unchanged, MIG instances included, and requests make no NVM
 from __future__ import annotations
 
 import os
-import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -1,13 +1,15 @@
 """``devicekit serve``: the status page, ``/metrics`` and ``/api/status`` over HTTP.
 
 Parsing options and printing lines only; the server is :class:`devicekit.serve.StatusServer`.
-Binds to loopback unless ``--host`` says otherwise, and then says so. Ctrl-C or SIGTERM stops
-it cleanly (exit 0). No torch import.
+Binds to loopback unless ``--host`` says otherwise, and then says so. A request naming another
+``Host`` than the server's own names gets 403 (DNS rebinding); ``--allow-host`` adds a name.
+Ctrl-C or SIGTERM stops it cleanly (exit 0). No torch import.
 
 Usage::
 
     devicekit serve                              # http://127.0.0.1:9400/
     devicekit serve --host 0.0.0.0 --port 9400 --interval 5s --hide-commands
+    devicekit serve --host 0.0.0.0 --allow-host gpu1.lab.example   # a name browsers use for it
     devicekit --simulate cluster.json serve --port 0     # any free port; rehearse anywhere
 """
 
@@ -57,8 +59,14 @@ def _interval(ctx: click.Context, param: click.Parameter, value: str) -> float:
 @click.option("--interval", default="2s", show_default=True, callback=_interval,
               help="How often the GPUs are sampled (e.g. 2s, 500ms, 1m).")
 @click.option("--hide-commands", is_flag=True,
-              help="Leave command lines out of the page, /metrics and /api/status.")
-def command(host: str, port: int, interval: float, hide_commands: bool) -> None:
+              help="Leave everyone's command lines out of the page, /metrics and /api/status "
+                   "(queue reasons included).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host is NAME (repeatable). Always answered: "
+                   "localhost and IP addresses; off loopback also this machine's hostname and "
+                   "FQDN. Others get 403 (a guard against DNS rebinding).")
+def command(host: str, port: int, interval: float, hide_commands: bool,
+            allow_hosts: tuple[str, ...]) -> None:
     """Serve a live status page (/), Prometheus metrics (/metrics) and the status JSON
     (/api/status). Read-only: nothing a client sends is run or stored.
 
@@ -67,7 +75,8 @@ def command(host: str, port: int, interval: float, hide_commands: bool) -> None:
     """
     from devicekit.serve import StatusServer
 
-    server = StatusServer(host, port, interval=interval, hide_commands=hide_commands)
+    server = StatusServer(host, port, interval=interval, hide_commands=hide_commands,
+                          allow_hosts=allow_hosts)
     server.bind()
     if not server.loopback_only:
         click.echo(f"devicekit serve: listening on {server.address[0]}, reachable from other "

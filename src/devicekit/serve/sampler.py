@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from devicekit.errors import DeviceKitError
+from devicekit.serve.hidden import hide_commands
 
 __all__ = ["Sampler", "Snapshot", "hide_commands"]
 
@@ -36,7 +37,8 @@ __all__ = ["Sampler", "Snapshot", "hide_commands"]
 class Snapshot:
     """Everything served, built from one status document."""
 
-    #: the ``devicekit status --json`` document (commands removed with ``--hide-commands``)
+    #: the ``devicekit status --json`` document (with ``--hide-commands``: scrubbed by
+    #: :func:`~devicekit.serve.hidden.hide_commands` before anything below was built from it)
     status: dict[str, Any]
     #: ``status`` as ``devicekit status --json`` prints it, UTF-8
     status_json: bytes
@@ -50,22 +52,6 @@ class Snapshot:
     error: str | None = None
     #: samples that failed since the server started
     errors_total: int = 0
-
-
-def hide_commands(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a status document whose process and lease ``command`` fields are null."""
-    doc = json.loads(json.dumps(doc))  # a deep copy of plain JSON data
-    for gpu in doc.get("gpus", []):
-        for proc in gpu.get("processes", []):
-            proc["command"] = None
-        for lease in gpu.get("leases", []):
-            lease["command"] = None
-        for mig in gpu.get("mig_devices", []):
-            for lease in mig.get("leases", []):
-                lease["command"] = None
-    for lease in doc.get("other_leases", []):
-        lease["command"] = None
-    return doc
 
 
 def _collect() -> dict[str, Any]:

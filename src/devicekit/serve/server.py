@@ -1,4 +1,4 @@
-"""The HTTP server of ``devicekit serve``: stdlib ``ThreadingHTTPServer``, read-only, cached.
+"""The HTTP server of ``devicekit serve``: read-only, cached, one thread serving all connections.
 
 Routes (GET and HEAD only; anything else is 405, an unknown path 404):
 
@@ -7,9 +7,12 @@ Routes (GET and HEAD only; anything else is 405, an unknown path 404):
 - ``/api/status``: the ``devicekit status --json`` document
 
 Every response is bytes the :class:`~devicekit.serve.sampler.Sampler` built at its last sample,
-so a request never waits for NVML and many clients are served at once (a thread each, at most
-:data:`MAX_CLIENTS` at a time; past that a client gets 503 at once). Idle or slow connections
-are closed after :data:`CLIENT_TIMEOUT` seconds. Nothing a request says is executed or stored.
+so a request never waits for NVML. Connections are served by one non-blocking selector thread
+(:mod:`~devicekit.serve.connections`): an idle socket costs no thread, a connection must send
+its request head within a few seconds, and someone who holds many idle sockets only loses the
+oldest of them to newcomers. A request whose ``Host`` or ``Origin`` names a host the server is
+not known by gets 403 (:mod:`~devicekit.serve.hosts`: no DNS rebinding). Nothing a request says
+is executed or stored.
 
 Usage::
 
@@ -27,27 +30,21 @@ import errno
 import ipaddress
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable
 from importlib import resources
-from typing import Any
 
 from devicekit.errors import ServeError
+from devicekit.serve.connections import ConnectionLoop, Limits
+from devicekit.serve.hosts import HostPolicy
+from devicekit.serve.http_messages import Request, Response
 from devicekit.serve.prometheus import CONTENT_TYPE as METRICS_TYPE
 from devicekit.serve.sampler import Sampler
 
-__all__ = ["StatusServer", "MAX_CLIENTS", "CLIENT_TIMEOUT", "is_loopback", "resolve_host"]
+__all__ = ["StatusServer", "Limits", "is_loopback", "resolve_host"]
 
-MAX_CLIENTS = 256
-CLIENT_TIMEOUT = 15.0
-_SECURITY_HEADERS = {
-    "Content-Security-Policy": ("default-src 'none'; script-src 'self'; style-src 'self'; "
-                                "style-src-attr 'unsafe-inline'; connect-src 'self'; "
-                                "img-src 'self'; base-uri 'none'; form-action 'none'; "
-                                "frame-ancestors 'none'"),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
+#: pending connections the kernel keeps for the serving thread to accept
+_BACKLOG = 1024
+_HTML = "text/html; charset=utf-8"
 _STATIC = {"/static/page.css": ("page.css", "text/css; charset=utf-8"),
            "/static/page.js": ("page.js", "text/javascript; charset=utf-8")}
 
@@ -76,112 +73,36 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    protocol_version = "HTTP/1.1"
-    timeout = CLIENT_TIMEOUT
-    server_version = "devicekit-serve"
-    sys_version = ""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._answer(send_body=True)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._answer(send_body=False)
-
-    def _refuse(self) -> None:
-        self._send(405, b"read-only: only GET and HEAD\n", "text/plain; charset=utf-8",
-                   True, {"Allow": "GET, HEAD"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse  # noqa: N815
-
-    def _answer(self, send_body: bool) -> None:
-        owner = self.server.owner
-        path = self.path.split("?", 1)[0]
-        snap = owner.sampler.snapshot
-        if path == "/metrics":
-            self._send(200, snap.metrics_text, METRICS_TYPE, send_body)
-        elif path == "/api/status":
-            self._send(200, snap.status_json, "application/json", send_body)
-        elif path == "/fragment":
-            self._send(200, snap.fragment_html, "text/html; charset=utf-8", send_body)
-        elif path in ("/", "/index.html"):
-            self._send(200, owner.page(), "text/html; charset=utf-8", send_body)
-        elif path in owner.static:
-            body, kind = owner.static[path]
-            self._send(200, body, kind, send_body)
-        else:
-            self._send(404, b"not found: try /, /metrics or /api/status\n",
-                       "text/plain; charset=utf-8", send_body)
-
-    def _send(self, code: int, body: bytes, kind: str, send_body: bool,
-              extra: dict[str, str] | None = None) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in {**_SECURITY_HEADERS, **(extra or {})}.items():
-            self.send_header(name, value)
-        self.end_headers()
-        if send_body:
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        """Quiet: a status page polled every 2 s would fill the terminal."""
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True  # a restart right after a stop gets the port back
-
-    def __init__(self, owner: StatusServer, address: tuple[str, int],
-                 family: socket.AddressFamily) -> None:
-        self.address_family = family
-        self.owner = owner
-        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            try:  # too many at once: a quick 503 instead of one more thread
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                b"Connection: close\r\nRetry-After: 1\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up mid-answer is normal; never print a traceback for it."""
-
-
 class StatusServer:
-    """The sampler and the HTTP server together; :meth:`start` binds, :meth:`stop` ends both."""
+    """The sampler and the HTTP server together; :meth:`start` binds, :meth:`stop` ends both.
+
+    ``allow_hosts``: names besides the defaults that a request's ``Host`` may carry (the CLI's
+    ``--allow-host``); ``limits``: connection limits and timeouts (tests shrink them).
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9400, *, interval: float = 2.0,
-                 hide_commands: bool = False, sampler: Sampler | None = None) -> None:
+                 hide_commands: bool = False, sampler: Sampler | None = None,
+                 allow_hosts: Iterable[str] = (), limits: Limits | None = None) -> None:
         self.host = host
         self.port = port
         self.interval = interval
         self.hide_commands = hide_commands
+        self.allow_hosts = tuple(allow_hosts)
+        self.limits = limits or Limits()
         self.sampler = sampler or Sampler(interval, hide_commands=hide_commands)
         self.static = _static_files()
-        self._httpd: _HTTPServer | None = None
+        self.hosts: HostPolicy | None = None
+        self.loop: ConnectionLoop | None = None
+        self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._page_cache: tuple[object, bytes] | None = None
 
     @property
     def address(self) -> tuple[str, int]:
         """The bound ``(address, port)`` (the real port when 0 was asked)."""
-        if self._httpd is None:
+        if self._listener is None:
             raise RuntimeError("not started")
-        bound = self._httpd.server_address
+        bound = self._listener.getsockname()
         return str(bound[0]), int(bound[1])
 
     @property
@@ -196,43 +117,63 @@ class StatusServer:
     def bind(self) -> None:
         """Resolve and bind (no sampling yet): a bad host or a busy port fails here, in one line."""
         family, address = resolve_host(self.host, self.port)
+        hosts = HostPolicy.for_bind(address, self.allow_hosts)  # a bad --allow-host: one line
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._httpd = _HTTPServer(self, (address, self.port), family)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart: same port
+            listener.bind((address, self.port))
+            listener.listen(_BACKLOG)
         except OSError as exc:
-            where = f"{self.host}:{self.port}"
-            if exc.errno == errno.EADDRINUSE:
-                raise ServeError(f"port {self.port} on {self.host} is in use by another program; "
-                                 f"pick another with --port, or stop the one on {where}") from None
-            if exc.errno == errno.EACCES:
-                raise ServeError(f"no permission to listen on {where} (ports below 1024 need "
-                                 "root); pick another with --port") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise ServeError(f"--host {self.host!r} is not an address of this machine; "
-                                 "use 127.0.0.1, 0.0.0.0 or one of its own addresses") from None
-            raise ServeError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+            listener.close()
+            raise _bind_error(exc, self.host, self.port) from None
+        self._listener, self.hosts = listener, hosts
+        self.loop = ConnectionLoop(listener, self.answer, self.limits)
 
     def start(self) -> None:
         """Bind, take the first sample, and serve in a background thread."""
-        if self._httpd is None:
+        if self._listener is None:
             self.bind()
-        assert self._httpd is not None
+        assert self._listener is not None and self.loop is not None
         try:
             self.sampler.start()
         except BaseException:
-            self._httpd.server_close()
+            self._listener.close()
             raise
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="devicekit-serve", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, name="devicekit-serve", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop serving, close the socket and stop the sampler."""
-        if self._httpd is not None:
+        """Stop serving, close every connection and the socket, and stop the sampler."""
+        if self.loop is not None:
+            self.loop.stop()
             if self._thread is not None:
-                self._httpd.shutdown()
                 self._thread.join(5)
-            self._httpd.server_close()
+        if self._listener is not None:
+            self._listener.close()
         self.sampler.stop()
+
+    def answer(self, request: Request) -> Response:
+        """The response to one request (called by the serving thread only)."""
+        refusal = self.hosts.refusal(request.headers.get("Host"), request.headers.get("Origin")) \
+            if self.hosts is not None else None
+        if refusal is not None:
+            return Response(403, refusal.encode())
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, b"read-only: only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+        path = request.path
+        snap = self.sampler.snapshot
+        if path == "/metrics":
+            return Response(200, snap.metrics_text, METRICS_TYPE)
+        if path == "/api/status":
+            return Response(200, snap.status_json, "application/json")
+        if path == "/fragment":
+            return Response(200, snap.fragment_html, _HTML)
+        if path in ("/", "/index.html"):
+            return Response(200, self.page(), _HTML)
+        if path in self.static:
+            body, kind = self.static[path]
+            return Response(200, body, kind)
+        return Response(404, b"not found: try /, /metrics or /api/status\n")
 
     def page(self) -> bytes:
         """The whole page for the current snapshot (built once per snapshot)."""
@@ -253,3 +194,17 @@ class StatusServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _bind_error(exc: OSError, host: str, port: int) -> ServeError:
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return ServeError(f"port {port} on {host} is in use by another program; "
+                          f"pick another with --port, or stop the one on {where}")
+    if exc.errno == errno.EACCES:
+        return ServeError(f"no permission to listen on {where} (ports below 1024 need "
+                          "root); pick another with --port")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ServeError(f"--host {host!r} is not an address of this machine; "
+                          "use 127.0.0.1, 0.0.0.0 or one of its own addresses")
+    return ServeError(f"cannot listen on {where}: {exc.strerror or exc}")
