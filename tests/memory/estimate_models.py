@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from devicekit.memory.losses import cross_entropy_loss
-from devicekit.memory.step import make_optimizer, training_step
+from devicekit.memory.step import LoopOutput, make_optimizer, training_step
 
 
 class TiedLM(nn.Module):
@@ -75,20 +75,20 @@ def measured_peak_cpu(model: nn.Module, sample: Any, optimizer: str | None = "ad
                       loss_fn: Callable[[Any, Any], torch.Tensor] = cross_entropy_loss) -> int:
     """The peak bytes of ``steps`` real steps on CPU, by torch's MemTracker (a peer's truth).
 
-    The loop is the one the estimate assumes by default: the output kept until the next step
-    replaces it, cross-entropy over the last dimension.
+    The loop is the one the estimate assumes by default: ``out = model(x)``, the output kept
+    until the next step's forward returns (then ``out`` is rebound), cross-entropy over the last
+    dimension.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = make_optimizer(optimizer, model.parameters())
     tracker = MemTracker()
     tracker.track_external(model, *([opt] if opt is not None else []))
-    kept = None
-    with tracker:
+    with tracker, LoopOutput(model) as last:  # the output lives until the next forward returns
         for _ in range(steps):
-            kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
+            last.keep(training_step(model, sample, opt, precision=precision, loss_fn=loss_fn,
+                                    keep_output=True))
             tracker.reset_mod_stats()
-    del kept
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
@@ -100,11 +100,13 @@ def measured_peak_cuda(model: nn.Module, sample: Any, optimizer: str | None = "a
     The same loop as :func:`measured_peak_cpu`; the first step warms up (cuBLAS handles, state).
     """
     opt = make_optimizer(optimizer, model.parameters())
-    kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps - 1):
-        kept = training_step(model, sample, opt, precision=precision, loss_fn=loss_fn, keep_output=True)
-    torch.cuda.synchronize()
-    del kept
+    with LoopOutput(model) as last:  # the output lives until the next forward returns
+        last.keep(training_step(model, sample, opt, precision=precision, loss_fn=loss_fn,
+                                keep_output=True))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps - 1):
+            last.keep(training_step(model, sample, opt, precision=precision, loss_fn=loss_fn,
+                                    keep_output=True))
+        torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())

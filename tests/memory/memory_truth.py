@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from devicekit.memory.step import make_optimizer, tensors, training_step
+from devicekit.memory.step import LoopOutput, make_optimizer, tensors, training_step
 
 __all__ = ["LiveStorages", "measured_peak"]
 
@@ -68,10 +68,11 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
                   step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True) -> int:
     """The peak live bytes of the second of two real training steps on CPU (see the module doc).
 
-    As in a Python loop, what a step keeps stays alive until the next step has made its own:
-    the model's output with ``keep_output`` (``out = model(x); loss = crit(out, y);
-    loss.backward()``), or what ``step(model, sample)`` returns (it replaces forward, loss and
-    backward; the optimizer step follows it).
+    As in a Python loop, what a step keeps stays alive until the next step's forward returns
+    (``out = model(x)`` rebinds ``out`` then, before the backward): the model's output with
+    ``keep_output`` (``out = model(x); loss = crit(out, y); loss.backward()``), or what
+    ``step(model, sample)`` returns (it replaces forward, loss and backward; the optimizer step
+    follows it).
     """
     opt = make_optimizer(optimizer, model.parameters())
 
@@ -86,7 +87,8 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
             opt.step()
         return out
 
-    kept = one_step()
+    last = LoopOutput(model)  # as a loop: the previous output dies when the next forward returns
+    last.keep(one_step())
     tracker = LiveStorages()
     held = [*model.parameters(), *model.buffers(), *tensors(sample)]
     held += [p.grad for p in model.parameters() if p.grad is not None]
@@ -95,9 +97,10 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
     for t in held:
         tracker.add(t)
     del held
-    for t in tensors(kept):
+    for t in tensors(last.value):
         tracker.add(t)
+    t = None  # the loop variable must not keep the output alive past the next forward
     with tracker:
-        kept = one_step()
-    del kept
+        last.keep(one_step())
+    last.close()
     return tracker.peak

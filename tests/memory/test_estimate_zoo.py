@@ -38,7 +38,7 @@ def test_default_on_cross_entropy_language_models(name: str) -> None:
     truth = measured_peak(model, sample, loss_fn=case.loss)
     assert -0.15 <= est.peak / truth - 1 <= 0.25, (name, est.peak, truth)
     text = str(est)
-    assert "cross-entropy (assumed)" in text and "out kept until the next step (assumed)" in text
+    assert "cross-entropy (assumed)" in text and "out kept until the next forward returns (assumed)" in text
     assert "--step MODULE:FN" in text and "bytes allocated" in text and "caching allocator" in text
 
 

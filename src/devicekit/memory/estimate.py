@@ -11,9 +11,11 @@ the peak of the step. Kernels whose fake version allocates less than the real on
 oneDNN workspace, cuDNN's reserve space) are sized as the real one (:mod:`.real_kernels`).
 
 What runs is the user's loop: ``step=fn`` runs ``fn(model, sample)`` (forward, loss,
-``backward()``, as the user's loop does; what it returns stays alive until the next step), and
+``backward()``, as the user's loop does; what it returns stays alive until the next forward
+returns), and
 devicekit adds the optimizer step. Without it the common loop is assumed: ``out = model(x);
-loss = crit(out, y); loss.backward()`` with ``out`` alive until the next step replaces it, and
+loss = crit(out, y); loss.backward()`` with ``out`` alive until the next forward returns (a
+loop rebinds ``out`` then, before the backward: :class:`~devicekit.memory.step.LoopOutput`), and
 ``loss_fn`` (a function, or "cross-entropy", "mse", "sum"; default: cross-entropy over the last
 dimension, never cheaper than a language model's loss). The table says what was assumed.
 On CUDA the answer is a range (``low``, ``peak``, ``high``) of what nvidia-smi will show; a
@@ -234,7 +236,7 @@ def estimate_memory(
         loss_name = "computed by the step"
         loop = f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step"
     else:
-        loop = "out = model(x); loss(out).backward(); out kept until the next step (assumed)"
+        loop = "out = model(x); loss(out).backward(); out kept until the next forward returns (assumed)"
     target = torch.device(device) if device is not None else default_estimate_device()
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from devicekit.memory.real_kernels import real_outputs
-from devicekit.memory.step import OptimizerSpec, StepFn, make_optimizer, training_step
+from devicekit.memory.step import LoopOutput, OptimizerSpec, StepFn, make_optimizer, training_step
 from devicekit.placement.walk import iter_tensors, map_tensors
 
 __all__ = ["PARTS", "LiveBytes", "fake_step", "phase_hooks", "resize_batch"]
@@ -156,7 +156,7 @@ def fake_step(
 
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
     ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
-    keeps stays alive until the next step has made its own, as in a loop.
+    keeps stays alive until the next step's forward returns, as in a loop (:class:`LoopOutput`).
     """
     tracker = LiveBytes(device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -168,20 +168,21 @@ def fake_step(
             tracker.track(t, "inputs")
         opt = make_optimizer(optimizer, fake.parameters(), foreach=device.type == "cuda") if training else None
         hooks = phase_hooks(fake, opt, tracker)
-        kept: Any = None
+        last = LoopOutput(fake)  # the previous output dies when the next forward returns
         try:
             for index in range(steps if training else 1):
                 if index == 1:  # gradients and optimizer state now exist: measure the steady state
                     tracker.restart_peak()
-                kept = training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
-                                     training=training, device_type=device.type,
-                                     keep_output=keep_output, step=step)
+                last.keep(training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
+                                        training=training, device_type=device.type,
+                                        keep_output=keep_output, step=step))
                 tracker.phase, tracker.part = "after step", "temporaries"
         finally:
+            last.close()
             for handle in hooks:
                 handle.remove()
         result = (tracker.peak, dict(tracker.at_peak), tracker.peak_phase)
-        del fake, batch, opt, kept
+        del fake, batch, opt
     return result
 
 

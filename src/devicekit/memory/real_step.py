@@ -29,7 +29,14 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.fake_step import LiveBytes, phase_hooks
-from devicekit.memory.step import OptimizerSpec, StepFn, make_optimizer, tensors, training_step
+from devicekit.memory.step import (
+    LoopOutput,
+    OptimizerSpec,
+    StepFn,
+    make_optimizer,
+    tensors,
+    training_step,
+)
 from devicekit.placement.walk import map_tensors
 
 __all__ = ["fake_tensors_cannot_run", "real_peaks"]
@@ -81,18 +88,19 @@ def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optim
             tracker.track(t, "inputs")
         opt = make_optimizer(optimizer, real.parameters())
         hooks = phase_hooks(real, opt, tracker)
-        kept: Any = None
+        last = LoopOutput(real)  # the previous output dies when the next forward returns
         try:
             with tracker:
                 for index in range(2):
                     if index == 1:
                         tracker.restart_peak()
-                    kept = training_step(real, data, opt, precision=precision, loss_fn=loss_fn,
-                                         device_type="cpu", keep_output=keep_output, step=step)
+                    last.keep(training_step(real, data, opt, precision=precision, loss_fn=loss_fn,
+                                            device_type="cpu", keep_output=keep_output, step=step))
                     tracker.phase, tracker.part = "after step", "temporaries"
         finally:
+            last.close()
             for handle in hooks:
                 handle.remove()
         results.append(dict(tracker.phase_peaks))
-        del real, opt, kept, data
+        del real, opt, data
     return results

@@ -25,7 +25,7 @@ from torch import nn
 
 from devicekit.errors import InvalidValueError
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "default_loss", "make_optimizer", "parse_precision",
+__all__ = ["LoopOutput", "OPTIMIZERS", "PRECISIONS", "default_loss", "make_optimizer", "parse_precision",
            "StepFn", "tensors", "training_step"]
 
 #: optimizer name -> (class, keyword arguments)
@@ -139,7 +139,8 @@ def training_step(
 
     ``training=False`` runs the forward only, under ``torch.no_grad()``. ``keep_output``: the
     output stays alive through the backward and is returned, as ``out = model(x); loss =
-    crit(out, y); loss.backward()`` keeps it until the next step replaces it. ``step(model,
+    crit(out, y); loss.backward()`` keeps it (the caller drops it when the next forward returns:
+    :class:`LoopOutput`). ``step(model,
     sample)`` replaces forward, loss and backward with the user's own; what it returns is
     returned (kept alive the same way).
     """
@@ -171,3 +172,43 @@ def training_step(
     if optimizer is not None:
         optimizer.step()
     return kept
+
+
+class LoopOutput:
+    """What a training loop keeps of its last step, for as long as a real loop keeps it.
+
+    ``out = model(x); loss = crit(out, y); loss.backward()`` rebinds ``out`` as soon as the next
+    forward returns, so the previous step's output is gone before the next backward. A forward
+    hook on the model drops the previous value when the model's next forward returns (its first
+    call in a step); :meth:`keep` holds the new one. A ``step=`` that returns its output is
+    treated the same. Usage::
+
+        with LoopOutput(model) as last:
+            for _ in range(2):
+                last.keep(training_step(model, sample, opt, keep_output=True))
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._value: list[Any] = []
+        self._handle = model.register_forward_hook(self._drop)
+
+    def _drop(self, *_: Any) -> None:
+        self._value.clear()
+
+    def keep(self, value: Any) -> None:
+        self._value[:] = [value]
+
+    @property
+    def value(self) -> Any:
+        """What the loop holds now (None once the next forward has returned)."""
+        return self._value[0] if self._value else None
+
+    def close(self) -> None:
+        self._value.clear()
+        self._handle.remove()
+
+    def __enter__(self) -> LoopOutput:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

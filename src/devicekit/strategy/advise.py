@@ -152,7 +152,7 @@ def advise(
     """Rank the strategies for training ``model`` on ``sample``'s batch; see the module doc.
 
     ``loss_fn`` / ``step``: the loss or the whole step of the user's loop, as for
-    ``dk.estimate_memory`` (default: cross-entropy, output kept until the next step).
+    ``dk.estimate_memory`` (default: cross-entropy, output kept until the next forward returns).
     """
     est = estimate_memory(model, sample, optimizer=optimizer, precision=precision, batch_size=batch_size,
                           loss_fn=loss_fn, step=step)
