@@ -88,3 +88,30 @@ def test_the_previous_output_is_gone_once_the_next_forward_returns() -> None:
         del seen
         model(torch.zeros(2, 4))                                # the next forward: `out` rebound
         assert last.value is None
+
+
+def test_mixtral_with_grouped_experts_is_estimated_from_real_steps() -> None:
+    """torch's fake kernel for ``_grouped_mm`` accepts only bf16 while the real fp32 CPU step
+    runs: any fake-kernel failure falls back to real CPU steps and says why, never blaming the
+    sample."""
+    tf = transformers
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+            vocab_size=VOCAB)).train()
+    tokens = torch.randint(0, VOCAB, (8, 32))
+    est = dk.estimate_memory(model, tokens, device="cpu")
+    assert est.method.startswith("real CPU steps") and "fake tensors cannot run it" in est.method
+    truth = measured_peak(model, tokens, loss_fn=cross_entropy_loss)
+    assert -UNDER <= est.peak / truth - 1 <= TOLERANCE, (est.peak, truth)
+
+
+def test_a_sample_the_model_really_rejects_is_refused_with_the_real_error() -> None:
+    from devicekit.errors import InvalidValueError
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 4))
+    with pytest.raises(InvalidValueError, match=r"failed on the sample \[\(8, 7\)\]: RuntimeError"):
+        dk.estimate_memory(model, torch.zeros(8, 7), device="cpu")

@@ -252,8 +252,11 @@ def estimate_memory(
     except InvalidValueError:
         raise
     except Exception as exc:
-        if not (training and batch is not None and fake_tensors_cannot_run(exc)):
-            raise _failed(model, shapes, exc) from exc
+        # any fake-kernel failure (data-dependent shapes, a fake kernel stricter than the real
+        # one: _grouped_mm's accepts only bf16) is tried for real on the CPU; only a model that
+        # fails there too is refused, with the real error, so a sample that is fine is not blamed
+        if not (training and batch is not None):
+            raise _failed(model, shapes, exc, fake=not fake_tensors_cannot_run(exc)) from exc
         peak, parts, phase, method = _extrapolated(model, shapes, batch, exc, kwargs)
     seconds = time.perf_counter() - start
 
@@ -280,10 +283,24 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def _failed(model: nn.Module, shapes: Any, exc: BaseException) -> InvalidValueError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return InvalidValueError(f"model {type(model).__name__} failed on the sample "
-                             f"{[tuple(t.shape) for t in tensors(shapes)]}: {type(exc).__name__}: {first}")
+def _failed(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = False
+            ) -> InvalidValueError:
+    """The refusal: the model failed on the sample (for real), or, ``fake``, only on fake
+    tensors (a forward-only or batch-less estimate cannot try real steps instead)."""
+    first = _first_line(exc)
+    shown = [tuple(t.shape) for t in tensors(shapes)]
+    if fake:
+        return InvalidValueError(
+            f"model {type(model).__name__} cannot run on fake tensors for the sample {shown}"
+            f" ({type(exc).__name__}: {first}), and without training and a batch dimension no real"
+            " steps can stand in; pass training=True with a batched sample, or measure it")
+    return InvalidValueError(f"model {type(model).__name__} failed on the sample {shown}:"
+                             f" {type(exc).__name__}: {first}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else ""
 
 
 def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseException,
@@ -300,8 +317,8 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
         first, second = real_peaks(model, shapes, batches=(b1, b2), **kwargs)
     except InvalidValueError:
         raise
-    except Exception as exc:
-        raise _failed(model, shapes, cause) from exc
+    except Exception as exc:  # it fails for real too: the real error is the one to show
+        raise _failed(model, shapes, exc) from cause
 
     def line(y1: float, y2: float) -> int:
         return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
@@ -318,5 +335,7 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
     if parts["activations"] < 0:
         parts["temporaries"] += parts["activations"]
         parts["activations"] = 0
+    why = (f"its shapes depend on values, {type(cause).__name__}" if fake_tensors_cannot_run(cause)
+           else f"{type(cause).__name__}: {_first_line(cause)}")
     return peak, parts, phase, (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch "
-                                f"{batch} (fake tensors cannot run it: {type(cause).__name__})")
+                                f"{batch} (fake tensors cannot run it: {why})")
