@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,19 +21,33 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def report() -> dk.BenchReport:
-    return dk.bench(["cuda:0"], quick=False, progress=False)
+def bench_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench-cache")
 
 
-def test_full_run_on_one_gpu_is_complete(report: dk.BenchReport) -> None:
+@pytest.fixture(scope="module")
+def report(bench_cache: Path) -> dk.BenchReport:
+    # A module fixture runs before the function-scoped autouse fixture of tests/conftest.py,
+    # which gives every test its own DEVICEKIT_BENCH_CACHE: on the H200 (issue 38) the bench
+    # wrote to ~/.cache while the test read its own empty folder (`cached is None`). The bench
+    # writes here, and the tests that read the cache point the variable here too.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEVICEKIT_BENCH_CACHE", str(bench_cache))
+        return dk.bench(["cuda:0"], quick=False, progress=False)
+
+
+def test_full_run_on_one_gpu_is_complete(report: dk.BenchReport, bench_cache: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEVICEKIT_BENCH_CACHE", str(bench_cache))
     dev = report.device("cuda:0")
     keys = {f.key for f in dev.figures}
     assert {"h2d.pinned", "h2d.pageable", "d2h.pinned", "d2h.pageable", "memory.copy",
             "latency.op", "crossover", "logging.speedup"} <= keys
     assert any(k.startswith("matmul.bf16.") for k in keys) or torch.cuda.get_device_capability()[0] < 8
     assert report.seconds < 60, f"full bench took {report.seconds:.0f} s on one GPU"
+    assert [Path(f).parent for f in report.cache_files] == [bench_cache]
     cached = read_result(dev.uuid or "")
-    assert cached is not None and cached["name"] == dev.name
+    assert cached is not None and cached["name"] == dev.name and cached["quick"] is False
     assert dev.uuid in {g.uuid for g in dk.gpus()}  # torch's UUID is NVML's
     # a measured figure now drives the capability score
     from devicekit.hardware.capability import capability

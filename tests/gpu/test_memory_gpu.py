@@ -58,6 +58,10 @@ def test_census_rounds_cuda_blocks() -> None:
 
 
 def test_real_oom_is_explained_and_memory_comes_back(limited_gpu: int) -> None:
+    # the baseline without earlier tests' cyclic garbage: oom_guard collects it too, so on the
+    # H200 (issue 38) allocated memory after the guard (0) was below a baseline that held it (8704)
+    gc.collect()
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(0)
     refs: list[weakref.ref[torch.Tensor]] = []
 
@@ -76,7 +80,7 @@ def test_real_oom_is_explained_and_memory_comes_back(limited_gpu: int) -> None:
     assert diagnosis.requested is not None and diagnosis.requested >= 0.99 * limited_gpu
     assert "out of memory on cuda:0" in text and "what to do" in text
     assert refs[0]() is None
-    assert torch.cuda.memory_allocated(0) == before  # the held half came back
+    assert torch.cuda.memory_allocated(0) <= before  # the held half came back
     assert torch.cuda.memory_reserved(0) <= before + 64 * MiB
 
 
@@ -110,11 +114,17 @@ def test_leak_finder_on_cuda() -> None:
     assert leak.bytes_per_step >= 32 * 64 * 4
 
 
-def test_leak_found_from_the_memory_on_cuda() -> None:
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_leak_found_from_the_memory_on_cuda(device: str) -> None:
     """A hook registered every step, on CUDA: the same holder and kind as on CPU, and the rate is
-    what the allocator really hands out for one kept activation (32 x 64 floats, block-rounded)."""
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
-    x = torch.randn(32, 64, device="cuda")
+    what the allocator really hands out for one kept activation (32 x 64 floats, block-rounded).
+
+    The CPU twin runs in the same process first: on the H200 (issue 38) the CUDA case found no
+    leak at all while the same code finds it on CPU machines; if both fail here the cause is
+    this process's state (earlier tests), if only CUDA fails it is CUDA's. The message carries
+    the report's notes (survivor tracking off, unnamed memory) to tell which."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    x = torch.randn(32, 64, device=device)
 
     def step() -> None:
         feats: list[torch.Tensor] = []
@@ -122,12 +132,15 @@ def test_leak_found_from_the_memory_on_cuda() -> None:
         model(x).sum().backward()
 
     report = dk.find_leaks(step)
+    assert report.leaks, f"no leak on {device}: {report}; notes {report.notes}; gc frozen " \
+                         f"{gc.get_freeze_count()}, enabled {gc.isenabled()}"
     leak = report.leaks[0]
     assert (leak.holder, leak.kind) == ("model.1._forward_hooks", "hook_per_step"), str(report)
     assert leak.bytes_per_step >= 32 * 64 * 4
-    before = torch.cuda.memory_allocated()
-    step()
-    assert torch.cuda.memory_allocated() - before >= 32 * 64 * 4  # the leak is real on the device
+    if device == "cuda":
+        before = torch.cuda.memory_allocated()
+        step()
+        assert torch.cuda.memory_allocated() - before >= 32 * 64 * 4  # the leak is real on the device
 
 
 def test_timeline_snapshot_opens_in_memory_viz_format(tmp_path) -> None:

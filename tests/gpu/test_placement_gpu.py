@@ -34,11 +34,16 @@ def test_pinned_copy_is_asynchronous_and_correct(cuda: torch.device) -> None:
     assert moved.device == cuda and torch.equal(moved.cpu(), host)
 
 
-def test_pageable_copy_is_synchronous_by_default(cuda: torch.device) -> None:
+def test_pageable_copy_leaves_the_source_free_at_once(cuda: torch.device) -> None:
+    """non_blocking=None copies pageable memory asynchronously too (issue 38: no per-tensor
+    is_pinned()): CUDA stages it before the call returns, so the host may overwrite it then."""
     host = torch.arange(1 << 16, dtype=torch.float32)
+    expected = host.clone()
+    torch.cuda._sleep(LONG_SLEEP // 4)  # the stream is busy: the copy itself runs after it
     moved = dk.to_device([host, host], cuda)
+    host.fill_(-1.0)
     assert moved[0] is moved[1]
-    assert torch.equal(moved[0].cpu(), host)
+    assert torch.equal(moved[0].cpu(), expected)
 
 
 def test_to_device_back_to_host_and_device_of(cuda: torch.device) -> None:

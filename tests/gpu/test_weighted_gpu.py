@@ -30,8 +30,11 @@ def test_weighted_split_matches_single_device_gradients() -> None:
 
 
 def test_distributed_loader_auto_weights_on_a_real_gpu() -> None:
-    """One process on a GPU: 'auto' reads this GPU's capability score; the share is all of it."""
+    """One process on a GPU: 'auto' reads this GPU's capability score; the share is all of it,
+    and one rank needs no padding: every sample once, the last batch shorter."""
     dataset = torch.utils.data.TensorDataset(torch.arange(20))
     loader = dk.distributed_loader(dataset, batch_size=8, weights="auto")
     assert loader.batch_sizes == [8] and loader.loss_scale == 1.0
-    assert sorted(int(i) for (b,) in loader for i in b)[:20] == list(range(20))
+    batches = [b for (b,) in loader]
+    assert [len(b) for b in batches] == [8, 8, 4]
+    assert sorted(int(i) for b in batches for i in b) == list(range(20))

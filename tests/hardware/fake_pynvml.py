@@ -4,7 +4,8 @@ It mimics the real API shape: the same function and constant names, an ``NVMLErr
 ``__new__`` maps an error code to a generated subclass (``NVMLError_NotSupported``...), device
 handles, struct-like return values, and the real call conventions (``nvmlDeviceGetSamples``
 returns ``(value_type, samples)`` and raises NOT_FOUND when no sample is newer than the
-timestamp given). ``test_fake_matches_real_pynvml`` keeps the names honest against the real one.
+timestamp given; ``nvmlDeviceGetFieldValues`` answers each field with its own return code).
+``test_fake_matches_real_pynvml`` keeps the names honest against the real one.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ class FakeDevice:
     used: int = 0
     gpu_rate: int = 0  # nvmlDeviceGetUtilizationRates().gpu
     memory_rate: int = 0  # nvmlDeviceGetUtilizationRates().memory
-    #: (seconds ago, value) driver samples; None: nvmlDeviceGetSamples not supported
+    #: (seconds before the first read, value) driver samples; None: nvmlDeviceGetSamples not
+    #: supported. Their timestamps are fixed at the first nvmlDeviceGetSamples call
+    #: (``sample_epoch``), as the driver's are; a negative age is a sample taken after it.
     gpu_samples: list[tuple[float, int]] | None = None
     memory_samples: list[tuple[float, int]] | None = None
+    sample_epoch: float | None = None
     temperature: int = 40
     power_mw: int = 120_000
     limit_mw: int = 700_000
@@ -62,7 +66,8 @@ class FakeDevice:
     mig_slots: list[FakeDevice | None] = field(default_factory=list)
     compute_procs: list[tuple[int, int | None]] = field(default_factory=list)
     graphics_procs: list[tuple[int, int | None]] = field(default_factory=list)
-    #: function name -> NVML error code that function raises for this device
+    #: function name -> NVML error code that function raises for this device; a field id's
+    #: constant name (``"NVML_FI_DEV_POWER_AVERAGE"``) -> the error code of that one field
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -79,7 +84,13 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
     mod.NVML_TEMPERATURE_GPU = 0
     mod.NVML_GPU_UTILIZATION_SAMPLES = 1
     mod.NVML_MEMORY_UTILIZATION_SAMPLES = 2
+    mod.NVML_VALUE_TYPE_DOUBLE = 0
     mod.NVML_VALUE_TYPE_UNSIGNED_INT = 1
+    mod.NVML_FI_DEV_POWER_AVERAGE = 185
+    mod.NVML_FI_DEV_POWER_INSTANT = 186
+    mod.NVML_FI_DEV_POWER_CURRENT_LIMIT = 190
+    field_names = {185: "NVML_FI_DEV_POWER_AVERAGE", 186: "NVML_FI_DEV_POWER_INSTANT",
+                   190: "NVML_FI_DEV_POWER_CURRENT_LIMIT"}
     mod.NVML_DEVICE_MIG_DISABLE = 0
     mod.NVML_DEVICE_MIG_ENABLE = 1
     mod.nvmlMemory_v2 = 0x02000028
@@ -190,9 +201,11 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
         series = handle.gpu_samples if sampling_type == 1 else handle.memory_samples
         if series is None:
             raise NVMLError(NOT_SUPPORTED)
-        now_us = time.time() * 1_000_000
+        if handle.sample_epoch is None:
+            handle.sample_epoch = time.time()
+        epoch_us = handle.sample_epoch * 1_000_000
         samples = [
-            types.SimpleNamespace(timeStamp=int(now_us - ago * 1_000_000),
+            types.SimpleNamespace(timeStamp=int(epoch_us - ago * 1_000_000),
                                   sampleValue=types.SimpleNamespace(
                                       dVal=0.0, uiVal=value, ulVal=value, ullVal=value))
             for ago, value in series
@@ -201,6 +214,21 @@ def make_pynvml(devices: list[FakeDevice], *, init_error: int | None = None,
         if not samples:  # the real driver says NOT_FOUND when nothing is newer
             raise NVMLError(NOT_FOUND)
         return 1, samples
+
+    @api
+    def nvmlDeviceGetFieldValues(handle: FakeDevice, fieldIds: list[Any]) -> list[Any]:
+        readings = {185: handle.power_mw, 186: handle.power_mw, 190: handle.limit_mw}
+        values = []
+        for field_id in fieldIds:
+            name = field_names.get(field_id, "")
+            code = handle.errors.get(name, 0 if field_id in readings else NOT_SUPPORTED)
+            number = readings.get(field_id, 0) if code == 0 else 0
+            values.append(types.SimpleNamespace(
+                fieldId=field_id, scopeId=0, timestamp=int(time.time() * 1e6), latencyUsec=0,
+                valueType=1, nvmlReturn=code,
+                value=types.SimpleNamespace(dVal=0.0, uiVal=number, ulVal=number, ullVal=number,
+                                            sllVal=number, siVal=number, usVal=number)))
+        return values
 
     @api
     def nvmlDeviceGetTemperature(handle: FakeDevice, sensor: int) -> int:

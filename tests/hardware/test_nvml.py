@@ -130,6 +130,8 @@ def test_unsupported_fields_become_none(fake_nvml):
         "nvmlDeviceGetComputeRunningProcesses")}
     unsupported["nvmlDeviceGetGraphicsRunningProcesses"] = FUNCTION_NOT_FOUND
     unsupported["nvmlDeviceGetMemoryInfo_v2"] = FUNCTION_NOT_FOUND  # old driver: v1 is used
+    unsupported["NVML_FI_DEV_POWER_AVERAGE"] = NOT_SUPPORTED  # no power fields: classic calls
+    unsupported["NVML_FI_DEV_POWER_CURRENT_LIMIT"] = NOT_SUPPORTED
     fake_nvml([FakeDevice(UUID0, used=2**30, errors=unsupported)])
     gpu = NVMLBackend().snapshot()[0]
     assert gpu.memory_used == 2**30
@@ -179,14 +181,19 @@ def test_mig_instances(fake_nvml):
              None,
              FakeDevice("MIG-66666666-2222-3333-4444-555555555555", name="3g.40gb",
                         total=40 * 2**30)]
-    fake_nvml([FakeDevice(UUID0, mig_mode=(1, 1), mig_slots=slots,
-                          errors={"nvmlDeviceGetUtilizationRates": NOT_SUPPORTED})])
-    gpu = NVMLBackend().snapshot()[0]
+    module = fake_nvml([FakeDevice(UUID0, mig_mode=(1, 1), mig_slots=slots,
+                                   errors={"nvmlDeviceGetUtilizationRates": NOT_SUPPORTED})])
+    backend = NVMLBackend()
+    gpu = backend.snapshot()[0]
     assert gpu.mig_enabled
     assert [(m.index, m.name, m.memory_free) for m in gpu.mig_devices] == [
         (0, "1g.10gb", 9 * 2**30), (1, "3g.40gb", 40 * 2**30)]
     assert gpu.mig_devices[1].uuid.startswith("MIG-66666666")
     assert gpu.utilization is None
+    slots[0].used = 3 * 2**30  # the instances' memory is live; their names are settings
+    opened = module.calls["nvmlDeviceGetMigDeviceHandleByIndex"]
+    assert backend.snapshot()[0].mig_devices[0].memory_free == 7 * 2**30
+    assert module.calls["nvmlDeviceGetMigDeviceHandleByIndex"] == opened
 
 
 def _dead_pid() -> int:
@@ -255,3 +262,134 @@ def test_processes_on_a_driver_older_than_the_bindings(fake_nvml):
     (gpu,) = NVMLBackend().snapshot()
     assert [(p.pid, p.memory) for p in gpu.processes] == [(me, 2**30)]
     assert module.calls["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
+
+
+# -- what a snapshot costs -----------------------------------------------------------------------
+
+#: NVML calls per GPU on every snapshot: memory, temperature, power (draw and limit as field
+#: values), the two utilization sample reads, the compute and graphics process lists
+LIVE_CALLS = {"nvmlDeviceGetMemoryInfo": 1, "nvmlDeviceGetTemperature": 1,
+              "nvmlDeviceGetFieldValues": 1, "nvmlDeviceGetSamples": 2,
+              "nvmlDeviceGetComputeRunningProcesses": 1, "nvmlDeviceGetGraphicsRunningProcesses": 1}
+#: and once per GPU (UUID, name, PCI, compute capability), or once per settings_ttl (the modes)
+FIRST_ONLY = {"nvmlDeviceGetUUID": 1, "nvmlDeviceGetName": 1, "nvmlDeviceGetPciInfo": 1,
+              "nvmlDeviceGetCudaComputeCapability": 1, "nvmlDeviceGetComputeMode": 1,
+              "nvmlDeviceGetMigMode": 1}
+
+
+def _busy_gpu(uuid: str) -> FakeDevice:
+    return FakeDevice(uuid, used=2**30, gpu_samples=[(2.0, 40), (1.0, 60), (0.1, 50)],
+                      memory_samples=[(1.5, 10), (0.5, 30)])
+
+
+def _calls_of(module, fn) -> dict[str, int]:
+    before = dict(module.calls)
+    fn()
+    return {name: n - before.get(name, 0) for name, n in module.calls.items()
+            if n != before.get(name, 0)}
+
+
+def test_nvml_calls_per_snapshot_of_a_4_gpu_machine(fake_nvml):
+    """The count the H200's 3.73 ms snapshot came from (issue 38): 10 NVML calls per GPU, 12
+    driver calls with two sample reads; now 7 per GPU after the first snapshot, the sample reads
+    finding nothing new (one driver call each) when snapshots follow each other closely."""
+    module = fake_nvml([_busy_gpu(f"GPU-{i}") for i in range(4)])
+    backend = NVMLBackend()
+    first = _calls_of(module, backend.snapshot)
+    assert first == {name: 4 * n for name, n in {**LIVE_CALLS, **FIRST_ONLY}.items()}
+    for _ in range(3):
+        later = _calls_of(module, backend.snapshot)
+        assert later == {name: 4 * n for name, n in LIVE_CALLS.items()}
+    assert sum(later.values()) == 28
+    gpu = backend.snapshot()[0]
+    assert (gpu.power_draw, gpu.power_limit, gpu.compute_mode) == (120.0, 700.0, "default")
+    assert (gpu.utilization, gpu.memory_bandwidth_utilization) == (pytest.approx(50.0),
+                                                                   pytest.approx(20.0))
+
+
+def test_power_without_field_values_uses_the_classic_calls_once_tried(fake_nvml):
+    module = fake_nvml([FakeDevice(UUID0, errors={"nvmlDeviceGetFieldValues": FUNCTION_NOT_FOUND})])
+    backend = NVMLBackend()
+    for _ in range(3):
+        gpu = backend.snapshot()[0]
+        assert (gpu.power_draw, gpu.power_limit) == (120.0, 700.0)
+    assert module.calls["nvmlDeviceGetFieldValues"] == 1  # not asked again
+    assert module.calls["nvmlDeviceGetPowerUsage"] == 3  # live
+    assert module.calls["nvmlDeviceGetEnforcedPowerLimit"] == 1  # a setting, re-read every ttl
+
+
+def test_a_field_the_gpu_lacks_is_read_the_classic_way(fake_nvml):
+    """An A100 or older driver: no one-second power average as a field; the limit still is one."""
+    module = fake_nvml([FakeDevice(UUID0, power_mw=250_000,
+                                   errors={"NVML_FI_DEV_POWER_AVERAGE": NOT_SUPPORTED})])
+    asked: list[list[int]] = []
+    original = module.nvmlDeviceGetFieldValues
+    module.nvmlDeviceGetFieldValues = lambda h, ids: (asked.append(list(ids)), original(h, ids))[1]
+    backend = NVMLBackend()
+    for _ in range(2):
+        gpu = backend.snapshot()[0]
+        assert (gpu.power_draw, gpu.power_limit) == (250.0, 700.0)
+    assert asked == [[185, 190], [190]]
+    assert module.calls["nvmlDeviceGetPowerUsage"] == 2
+    assert "nvmlDeviceGetEnforcedPowerLimit" not in module.calls
+
+
+def test_settings_are_read_again_after_settings_ttl(fake_nvml):
+    device = FakeDevice(UUID0)
+    module = fake_nvml([device])
+    backend = NVMLBackend(settings_ttl=10)
+    now = [1000.0]
+    backend._clock = lambda: now[0]
+    assert backend.snapshot()[0].compute_mode == "default"
+    device.compute_mode = 2  # an administrator: nvidia-smi -c PROHIBITED
+    now[0] += 9
+    assert backend.snapshot()[0].compute_mode == "default"  # kept for settings_ttl seconds
+    now[0] += 2
+    assert backend.snapshot()[0].compute_mode == "prohibited"
+    assert module.calls["nvmlDeviceGetComputeMode"] == 2
+    every = NVMLBackend(settings_ttl=0)
+    every.snapshot(), every.snapshot()
+    assert module.calls["nvmlDeviceGetComputeMode"] == 4
+    with pytest.raises(InvalidValueError, match="settings_ttl"):
+        NVMLBackend(settings_ttl=-1)
+
+
+def test_samples_are_kept_and_only_newer_ones_asked_for(fake_nvml):
+    """The mean is over the driver's samples of the last window, whether read at once or bit by
+    bit: the second snapshot asks only for samples newer than the newest it has."""
+    device = FakeDevice(UUID0, gpu_samples=[(30.0, 100), (2.0, 40), (1.0, 60), (0.1, 50)],
+                        memory_samples=[(1.5, 10), (0.5, 30)])
+    module = fake_nvml([device])
+    asked: list[tuple[int, int]] = []
+    original = module.nvmlDeviceGetSamples
+    module.nvmlDeviceGetSamples = lambda h, kind, since: (asked.append((kind, since)),
+                                                          original(h, kind, since))[1]
+    backend = NVMLBackend(utilization_window=5.0)
+    assert backend.snapshot()[0].utilization == pytest.approx(50.0)
+    epoch_us = device.sample_epoch * 1_000_000
+    asked.clear()
+    gpu = backend.snapshot()[0]
+    assert (gpu.utilization, gpu.memory_bandwidth_utilization) == (pytest.approx(50.0),
+                                                                   pytest.approx(20.0))
+    assert asked == [(1, int(epoch_us - 0.1e6)), (2, int(epoch_us - 0.5e6))]
+    assert "nvmlDeviceGetUtilizationRates" not in module.calls  # nothing new is not "no samples"
+    device.gpu_samples.append((-0.2, 90))  # the driver took one more
+    assert backend.snapshot()[0].utilization == pytest.approx((40 + 60 + 50 + 90) / 4)
+    later = device.sample_epoch + 4.5  # the window moved: what is older than 5 s is dropped
+    backend._samples._clock = lambda: later
+    assert backend.snapshot()[0].utilization == pytest.approx((50 + 90) / 2)
+
+
+def test_old_driver_fallbacks_cost_their_failed_try_once(fake_nvml):
+    me = os.getpid()
+    module = fake_nvml([FakeDevice(UUID0, compute_procs=[(me, 2**30)], errors={
+        "nvmlDeviceGetMemoryInfo_v2": FUNCTION_NOT_FOUND,
+        "nvmlDeviceGetComputeRunningProcesses_v3": FUNCTION_NOT_FOUND,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": FUNCTION_NOT_FOUND,
+    })])
+    backend = NVMLBackend()
+    backend.snapshot()
+    later = _calls_of(module, backend.snapshot)
+    assert later["nvmlDeviceGetMemoryInfo"] == 1  # v1 straight away
+    assert later["nvmlDeviceGetComputeRunningProcesses_v2"] == 1
+    assert [p.pid for p in backend.snapshot()[0].processes] == [me]

@@ -1,14 +1,26 @@
 """GPU facts from NVML (NVIDIA's driver library) through nvidia-ml-py: no torch, no subprocess.
 
-NVML is initialised once per process and device handles are cached, so a snapshot is a handful
-of C calls per GPU. Facts a GPU or driver does not support (``Not Supported``, ``No
-Permission``, a function the driver is too old for) come back as ``None``; a driver that is
-present but failing raises :class:`~devicekit.errors.BackendError` naming the NVML error;
-a machine without the NVML library raises :class:`NVMLNotFound` (inventory then reports no GPUs).
+NVML is initialised once per process and device handles are cached. A snapshot costs a few C
+calls per GPU, counted by ``tests/hardware/test_nvml.py`` (``tests/gpu/nvml_costs.py`` times
+each on a real driver):
+
+- read once per GPU: UUID, name, PCI bus id, compute capability, SM count and clocks;
+- settings an administrator changes (compute mode, MIG mode and the MIG instances' identity,
+  and the power limit where field values cannot give it) are re-read every ``settings_ttl``
+  seconds (default 10);
+- live on every snapshot: memory, temperature, power (draw and limit in one
+  ``nvmlDeviceGetFieldValues`` call where the driver has the fields), utilization, processes.
+
+Facts a GPU or driver does not support (``Not Supported``, ``No Permission``, a function the
+driver is too old for) come back as ``None``; a driver that is present but failing raises
+:class:`~devicekit.errors.BackendError` naming the NVML error; a machine without the NVML
+library raises :class:`NVMLNotFound` (inventory then reports no GPUs).
 
 GPU and memory-bandwidth utilization are averaged over the driver's own sample buffer for the
 last ``utilization_window`` seconds (``nvmlDeviceGetSamples``), not read as one instantaneous
-value; where sampling is unsupported the single ``nvmlDeviceGetUtilizationRates`` reading is used.
+value; where sampling is unsupported the single ``nvmlDeviceGetUtilizationRates`` reading is
+used. The samples are kept between snapshots and only newer ones asked for
+(:mod:`devicekit.hardware.nvml_readings`); the mean is the same.
 
 Usage::
 
@@ -34,11 +46,19 @@ from typing import Any, TypeVar
 from devicekit.errors import BackendError, InvalidValueError, NVMLUnavailableError
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
 from devicekit.hardware.known_gpus import lookup
+from devicekit.hardware.nvml_readings import (
+    PowerFields,
+    ProcessLister,
+    SampleWindow,
+    error_classes,
+)
 
-__all__ = ["NVMLBackend", "NVMLNotFound", "DEFAULT_UTILIZATION_WINDOW"]
+__all__ = ["NVMLBackend", "NVMLNotFound", "DEFAULT_UTILIZATION_WINDOW", "DEFAULT_SETTINGS_TTL"]
 
 #: seconds of driver samples averaged into ``GPU.utilization``
 DEFAULT_UTILIZATION_WINDOW = 5.0
+#: seconds an administrator's settings (compute mode, MIG mode, power limit) are kept
+DEFAULT_SETTINGS_TTL = 10.0
 
 _T = TypeVar("_T")
 
@@ -72,10 +92,6 @@ def _load_pynvml() -> Any:
     return pynvml
 
 
-def _error_classes(nvml: Any, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
-    return tuple(cls for name in names if isinstance(cls := getattr(nvml, name, None), type))
-
-
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -84,21 +100,28 @@ class NVMLBackend:
     """Snapshots every physical GPU through NVML.
 
     ``utilization_window`` (seconds) is how far back the driver's utilization samples are
-    averaged. Raises :class:`NVMLNotFound` when NVML cannot be loaded and
-    :class:`~devicekit.errors.BackendError` when the driver is present but fails.
+    averaged; ``settings_ttl`` (seconds, 0: every snapshot) how long compute mode, MIG mode
+    and the power limit are kept before they are read again. Raises :class:`NVMLNotFound` when
+    NVML cannot be loaded and :class:`~devicekit.errors.BackendError` when the driver is
+    present but fails.
     """
 
     name = "nvml"
 
-    def __init__(self, utilization_window: float = DEFAULT_UTILIZATION_WINDOW) -> None:
-        if isinstance(utilization_window, bool) or not isinstance(utilization_window, (int, float)) \
-                or not 0 < utilization_window <= 3600:
-            raise InvalidValueError(
-                f"utilization_window {utilization_window!r} must be a number of seconds in (0, 3600]"
-            )
+    def __init__(self, utilization_window: float = DEFAULT_UTILIZATION_WINDOW,
+                 settings_ttl: float = DEFAULT_SETTINGS_TTL) -> None:
+        for what, value, low_open in (("utilization_window", utilization_window, True),
+                                      ("settings_ttl", settings_ttl, False)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not ((0 < value) if low_open else (0 <= value)) or not value <= 3600:
+                interval = "(0, 3600]" if low_open else "[0, 3600]"
+                raise InvalidValueError(
+                    f"{what} {value!r} must be a number of seconds in {interval}")
         self.utilization_window = float(utilization_window)
+        self.settings_ttl = float(settings_ttl)
+        self._clock: Callable[[], float] = time.monotonic
         self._nvml = _load_pynvml()
-        self._unsupported = _error_classes(self._nvml, _UNSUPPORTED_ERRORS)
+        self._unsupported = error_classes(self._nvml, _UNSUPPORTED_ERRORS)
         self._init()
         count = self._call(self._nvml.nvmlDeviceGetCount, what="count the GPUs")
         #: GPUs NVML lists but will not open for this process, one line each (shown by status)
@@ -106,7 +129,7 @@ class NVMLBackend:
         # (NVML index, handle); a GPU fenced off from this process (a Slurm/cgroup allocation
         # leaves the others listed but NO_PERMISSION) is left out, keeping the others' indices
         self._handles: list[tuple[int, Any]] = []
-        no_permission = _error_classes(self._nvml, ("NVMLError_NoPermission",))
+        no_permission = error_classes(self._nvml, ("NVMLError_NoPermission",))
         for i in range(count):
             try:
                 handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
@@ -120,6 +143,11 @@ class NVMLBackend:
                 ) from None
             self._handles.append((i, handle))
         self._static: dict[int, dict[str, Any]] = {}
+        self._settings: dict[int, tuple[float, dict[str, Any]]] = {}  # index -> (read at, facts)
+        self._samples = SampleWindow(self._nvml, self.utilization_window)
+        self._power = PowerFields(self._nvml)
+        self._memory_v2: Any = getattr(self._nvml, "nvmlMemory_v2", None)  # None: v1 only
+        self._process_lister = ProcessLister(self._nvml, self._unsupported)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -131,7 +159,7 @@ class NVMLBackend:
             try:
                 nvml.nvmlInit()
             except nvml.NVMLError as exc:
-                if isinstance(exc, _error_classes(nvml, _ABSENT_ERRORS)):
+                if isinstance(exc, error_classes(nvml, _ABSENT_ERRORS)):
                     raise NVMLNotFound(
                         f"NVML cannot be loaded ({exc}); no NVIDIA driver on this machine, "
                         "so devicekit sees no GPUs (install the driver, or use DEVICEKIT_SIMULATE)"
@@ -245,19 +273,44 @@ class NVMLBackend:
             "sm_count": int(cores) // per_sm if cores and cc else None,
         }
 
+    def _settings_of(self, index: int, handle: Any, label: str) -> dict[str, Any]:
+        """Compute mode, MIG mode and instances, as read at most ``settings_ttl`` seconds ago."""
+        now = self._clock()
+        cached = self._settings.get(index)
+        if cached is not None and now - cached[0] < self.settings_ttl:
+            return cached[1]
+        if cached is not None:  # re-probe what the driver refused before (MIG mode may have moved)
+            self._samples.forget(index)
+            self._power.forget(index)
+        nvml = self._nvml
+        mode = self._optional(nvml.nvmlDeviceGetComputeMode, handle, what=f"read {label} compute mode")
+        facts: dict[str, Any] = {
+            "compute_mode": _COMPUTE_MODES.get(mode, str(mode)) if mode is not None else None,
+            "mig": self._mig_layout(handle, label),
+        }
+        self._settings[index] = (now, facts)
+        return facts
+
     def _gpu(self, index: int, handle: Any) -> GPU:
         nvml = self._nvml
         static = self._static_facts(index, handle)
         label = f"GPU {index}"
+        settings = self._settings_of(index, handle, label)
         total, used, free = self._memory(handle, label)
-        mode = self._optional(nvml.nvmlDeviceGetComputeMode, handle, what=f"read {label} compute mode")
-        power = self._optional(nvml.nvmlDeviceGetPowerUsage, handle, what=f"read {label} power")
-        limit = self._optional(nvml.nvmlDeviceGetEnforcedPowerLimit, handle,
-                               what=f"read {label} power limit")
         temperature = self._optional(nvml.nvmlDeviceGetTemperature, handle,
                                      nvml.NVML_TEMPERATURE_GPU, what=f"read {label} temperature")
-        mig_enabled, mig_devices = self._mig(handle, label)
-        gpu_util, bw_util = self._utilization(handle, label)
+        power = self._power.read(index, handle)
+        if "power_draw" not in power:
+            value = self._optional(nvml.nvmlDeviceGetPowerUsage, handle, what=f"read {label} power")
+            power["power_draw"] = value
+        if "power_limit" not in power:  # not a field here: a setting, re-read with the others
+            if "power_limit" not in settings:
+                settings["power_limit"] = self._optional(
+                    nvml.nvmlDeviceGetEnforcedPowerLimit, handle, what=f"read {label} power limit")
+            power["power_limit"] = settings["power_limit"]
+        draw, limit = power["power_draw"], power["power_limit"]
+        mig_enabled, mig_devices = self._mig_devices(index, settings["mig"], label)
+        gpu_util, bw_util = self._utilization(index, handle, label)
         return GPU(
             index=index,
             uuid=static["uuid"],
@@ -269,10 +322,10 @@ class NVMLBackend:
             utilization=gpu_util,
             memory_bandwidth_utilization=bw_util,
             temperature=int(temperature) if temperature is not None else None,
-            power_draw=power / 1000.0 if power is not None else None,
+            power_draw=draw / 1000.0 if draw is not None else None,
             power_limit=limit / 1000.0 if limit is not None else None,
             compute_capability=static["compute_capability"],
-            compute_mode=_COMPUTE_MODES.get(mode, str(mode)) if mode is not None else None,
+            compute_mode=settings["compute_mode"],
             mig_enabled=mig_enabled,
             mig_devices=mig_devices,
             processes=self._processes(handle, label),
@@ -286,23 +339,23 @@ class NVMLBackend:
     def _memory(self, handle: Any, label: str) -> tuple[int, int, int]:
         nvml = self._nvml
         info = None
-        version = getattr(nvml, "nvmlMemory_v2", None)
-        if version is not None:  # v2 reports "used" without driver-reserved memory, like nvidia-smi
+        if self._memory_v2 is not None:  # v2 reports "used" without driver-reserved memory
             try:
-                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-            except (nvml.NVMLError, TypeError):
-                info = None
+                info = nvml.nvmlDeviceGetMemoryInfo(handle, version=self._memory_v2)
+            except (*self._unsupported, TypeError):
+                self._memory_v2 = None  # a driver or binding without v2: v1 from now on
+            except nvml.NVMLError:
+                info = None  # v1 says whether the GPU itself fails
         if info is None:
             info = self._call(nvml.nvmlDeviceGetMemoryInfo, handle, what=f"read {label} memory")
         return int(info.total), int(info.used), int(info.free)
 
-    def _utilization(self, handle: Any, label: str) -> tuple[float | None, float | None]:
+    def _utilization(self, index: int, handle: Any, label: str) -> tuple[float | None, float | None]:
         """(GPU busy %, memory-bandwidth busy %), averaged over the recent window where possible."""
         nvml = self._nvml
-        since = int((time.time() - self.utilization_window) * 1_000_000)
-        gpu = self._sampled(handle, getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", None), since)
-        bandwidth = self._sampled(handle, getattr(nvml, "NVML_MEMORY_UTILIZATION_SAMPLES", None),
-                                  since)
+        gpu = self._samples.mean(handle, (index, getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", None)))
+        bandwidth = self._samples.mean(
+            handle, (index, getattr(nvml, "NVML_MEMORY_UTILIZATION_SAMPLES", None)))
         if gpu is None or bandwidth is None:
             rates = self._optional(nvml.nvmlDeviceGetUtilizationRates, handle,
                                    what=f"read {label} utilization")
@@ -311,21 +364,8 @@ class NVMLBackend:
                 bandwidth = float(rates.memory) if bandwidth is None else bandwidth
         return gpu, bandwidth
 
-    def _sampled(self, handle: Any, sample_type: int | None, since_us: int) -> float | None:
-        """Mean of the driver's samples newer than ``since_us``; None where there are none."""
-        get_samples = getattr(self._nvml, "nvmlDeviceGetSamples", None)
-        if sample_type is None or get_samples is None:
-            return None
-        try:
-            _, samples = get_samples(handle, sample_type, since_us)
-        except self._nvml.NVMLError:  # not supported, no samples yet (NOT_FOUND), MIG mode...
-            return None
-        values = [_sample_value(s) for s in samples if int(s.timeStamp) > since_us]
-        if not values:
-            return None
-        return sum(values) / len(values)
-
-    def _mig(self, handle: Any, label: str) -> tuple[bool, tuple[MigDevice, ...]]:
+    def _mig_layout(self, handle: Any, label: str) -> tuple[bool, tuple[tuple[Any, str, str], ...]]:
+        """(MIG enabled, each instance's (handle, UUID, name)): settings, re-read with them."""
         nvml = self._nvml
         modes = self._optional(nvml.nvmlDeviceGetMigMode, handle, what=f"read {label} MIG mode")
         enabled_value = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
@@ -333,97 +373,33 @@ class NVMLBackend:
             return False, ()
         slots = self._optional(nvml.nvmlDeviceGetMaxMigDeviceCount, handle,
                                what=f"count {label} MIG instances") or 0
-        devices: list[MigDevice] = []
+        found: list[tuple[Any, str, str]] = []
         for slot in range(int(slots)):
             mig = self._optional(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot,
                                  what=f"open {label} MIG slot {slot}")
             if mig is None:  # an empty slot
                 continue
             where = f"{label} MIG slot {slot}"
-            info = self._call(nvml.nvmlDeviceGetMemoryInfo, mig, what=f"read {where} memory")
-            devices.append(MigDevice(
-                index=len(devices),
-                uuid=_text(self._call(nvml.nvmlDeviceGetUUID, mig, what=f"read {where} UUID")),
-                name=_text(self._call(nvml.nvmlDeviceGetName, mig, what=f"read {where} name")),
-                memory_total=int(info.total),
-                memory_used=int(info.used),
-            ))
-        return True, tuple(devices)
+            found.append((mig,
+                          _text(self._call(nvml.nvmlDeviceGetUUID, mig, what=f"read {where} UUID")),
+                          _text(self._call(nvml.nvmlDeviceGetName, mig, what=f"read {where} name"))))
+        return True, tuple(found)
+
+    def _mig_devices(self, index: int, layout: tuple[bool, tuple[tuple[Any, str, str], ...]],
+                     label: str) -> tuple[bool, tuple[MigDevice, ...]]:
+        """The instances' memory, live; an instance gone since the layout was read is left out
+        and the layout is read again on the next snapshot."""
+        enabled, instances = layout
+        devices: list[MigDevice] = []
+        for mig, uuid, name in instances:
+            info = self._optional(self._nvml.nvmlDeviceGetMemoryInfo, mig,
+                                  what=f"read {label} MIG {uuid} memory")
+            if info is None:
+                self._settings.pop(index, None)
+                continue
+            devices.append(MigDevice(index=len(devices), uuid=uuid, name=name,
+                                     memory_total=int(info.total), memory_used=int(info.used)))
+        return enabled, tuple(devices)
 
     def _processes(self, handle: Any, label: str) -> tuple[GPUProcess, ...]:
-        """Compute and graphics processes, one entry per pid, with user and command via psutil."""
-        memory_by_pid: dict[int, int | None] = {}
-        for kind in ("Compute", "Graphics"):
-            for proc in self._running(handle, kind, label):
-                pid = int(proc.pid)
-                raw = getattr(proc, "usedGpuMemory", None)  # None: the driver will not say
-                memory = int(raw) if raw is not None else None
-                # a process in both lists holds one allocation: keep the larger figure
-                known = memory_by_pid.get(pid)
-                if pid not in memory_by_pid or (memory is not None and (known or 0) < memory):
-                    memory_by_pid[pid] = memory
-        return tuple(_describe_process(pid, memory) for pid, memory in sorted(memory_by_pid.items()))
-
-    def _running(self, handle: Any, kind: str, label: str) -> list[Any]:
-        """``nvmlDeviceGet{kind}RunningProcesses``, falling back to ``_v2`` on older drivers.
-
-        nvidia-ml-py's unversioned call uses the ``_v3`` C function, which drivers before R510
-        lack; it then raises ``NVMLLibraryMismatchError``, which is not an ``NVMLError``.
-        """
-        nvml = self._nvml
-        too_new = (*_error_classes(nvml, ("NVMLError_FunctionNotFound",)),
-                   *(c for c in (getattr(nvml, "NVMLLibraryMismatchError", None),)
-                     if isinstance(c, type)))
-        for suffix in ("", "_v2"):
-            fn = getattr(nvml, f"nvmlDeviceGet{kind}RunningProcesses{suffix}", None)
-            if fn is None:
-                continue
-            try:
-                return list(fn(handle))
-            except too_new:
-                continue
-            except self._unsupported:
-                return []
-            except nvml.NVMLError as exc:
-                raise BackendError(
-                    f"NVML failed to list {label} processes ({exc}); check 'nvidia-smi' and the driver"
-                ) from None
-        return []
-
-
-def _sample_value(sample: Any) -> float:
-    value = sample.sampleValue
-    # utilization samples are unsigned ints; other fields of the union are read as a fallback
-    for field in ("uiVal", "ulVal", "ullVal", "dVal"):
-        if hasattr(value, field):
-            return float(getattr(value, field))
-    return float(value)
-
-
-def _describe_process(pid: int, memory: int | None) -> GPUProcess:
-    """User and command line of ``pid``; None where it vanished, is hidden or in another namespace."""
-    import psutil
-
-    user: str | None = None
-    command: str | None = None
-    try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():
-            try:
-                user = proc.username()
-            except (psutil.Error, KeyError):  # KeyError: a uid without a passwd entry
-                try:
-                    user = str(proc.uids().real)
-                except psutil.Error:
-                    user = None
-            try:
-                argv = proc.cmdline()
-                command = " ".join(argv) if argv else proc.name()
-            except psutil.Error:  # another user's process: the name is usually still readable
-                try:
-                    command = proc.name()
-                except psutil.Error:
-                    command = None
-    except psutil.Error:  # gone since NVML listed it, or in another pid namespace
-        pass
-    return GPUProcess(pid=pid, user=user, command=command, memory=memory)
+        return self._process_lister.list(handle, label)

@@ -48,8 +48,12 @@ class WeightedBatchSampler(Sampler[list[int]]):
 
     Every rank draws the same order (``seed + epoch``); step ``s`` covers positions
     ``s*G .. (s+1)*G`` of it (``G = sum(sizes)``) and rank ``r`` takes its consecutive share.
-    ``drop_last=False`` pads the order with repeated samples so every step is full (as
-    ``DistributedSampler`` does); ``True`` drops the tail.
+    ``drop_last=True`` drops the tail. ``drop_last=False`` keeps it: with several ranks the
+    order is padded with samples from its start so the last step is full too, and every
+    rank's share, hence the gradient weighting, stays exact (``DistributedSampler`` pads the
+    same way: at most ``G - 1`` repeated samples per epoch). A single rank needs no padding: its
+    last batch is shorter and no sample repeats (issue 38: one GPU with ``weights="auto"``
+    repeated samples ``[0, 1, 2, 3, 4, 4, ...]``).
     """
 
     def __init__(self, length: int, sizes: Sequence[int], rank: int, *, shuffle: bool = True,
@@ -90,7 +94,7 @@ class WeightedBatchSampler(Sampler[list[int]]):
             order = list(range(self.length))
         steps = len(self)
         total = steps * self.global_batch
-        while len(order) < total:
+        while len(self.sizes) > 1 and order and len(order) < total:
             order += order[:total - len(order)]
         start = sum(self.sizes[:self.rank])
         mine = self.sizes[self.rank]

@@ -7,8 +7,14 @@ are rebuilt with their own type (a defaultdict keeps its factory); modules move 
 returned; a tensor reached twice comes out as one moved tensor (aliasing is kept); tensors
 already on the target device are returned untouched, without a ``.to()`` call.
 
-``non_blocking=None`` copies asynchronously only where that is safe and useful (pinned host
-memory to CUDA); ``True``/``False`` force it.
+``non_blocking=None`` copies tensors asynchronously where that is safe: to a CUDA device
+(from pinned host memory the copy overlaps the host's work; from pageable memory CUDA stages
+the data before the call returns, so the source may change at once; either way the copy is
+ordered before later work on the device's current stream, and another stream must
+``wait_stream`` first). Copies to the host block, since the host reads them next. Whether a
+host tensor is pinned is never asked per tensor (``is_pinned()`` costs CUDA driver calls).
+Modules and ``.to()`` objects move blocking unless ``non_blocking=True``; ``True``/``False``
+force it for everything.
 
 Usage::
 
@@ -42,13 +48,13 @@ T = TypeVar("T")
 
 
 def _move_tensor(walk: Walk, t: Tensor) -> Tensor:
-    device = walk.device
-    if t.device == device:
-        return t
-    asynchronous = walk.non_blocking
-    if asynchronous is None:  # safe and useful only from pinned host memory to CUDA
-        asynchronous = device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
-    return t.to(device, non_blocking=asynchronous)
+    """A blocking copy (the walk hands over only tensors not on its device yet)."""
+    return t.to(walk.device)
+
+
+def _move_tensor_async(walk: Walk, t: Tensor) -> Tensor:
+    """An asynchronous copy, ordered on the target device's current stream."""
+    return t.to(walk.device, non_blocking=True)
 
 
 def _move_module(walk: Walk, module: nn.Module) -> nn.Module:
@@ -83,7 +89,8 @@ def to_device(
     """``obj`` with every tensor (and module, and ``.to()``-able object) on ``device``.
 
     ``skip_keys``: mapping keys (at any depth) whose values stay where they are.
-    ``non_blocking``: None = async only for pinned host memory to CUDA; True/False force it.
+    ``non_blocking``: None = tensors copy asynchronously to CUDA devices, blocking to the host
+    (see the module doc); True/False force it for tensors, modules and objects alike.
     """
     target = as_device(device)
     if skip_keys is None:
@@ -100,7 +107,9 @@ def to_device(
             ) from None
     if type(obj) is Tensor and obj.device == target:  # the commonest call: nothing to do
         return obj
-    walk = Walk(target, _move_tensor, _move_object, _move_module, skip, non_blocking)
+    asynchronous = target.type == "cuda" if non_blocking is None else bool(non_blocking)
+    walk = Walk(target, _move_tensor_async if asynchronous else _move_tensor, _move_object,
+                _move_module, skip, non_blocking)
     return walk(obj)
 
 

@@ -40,7 +40,11 @@ _MISSING = object()
 
 
 class Walk:
-    """One traversal: the target, the tensor operation, and the memo that keeps aliasing."""
+    """One traversal: the target, the tensor operation, and the memo that keeps aliasing.
+
+    A tensor already on ``device`` is kept as it is: ``tensor_op`` sees only the others (with
+    ``device=None``, every tensor).
+    """
 
     __slots__ = ("device", "tensor_op", "object_op", "module_op", "skip", "non_blocking", "memo")
 
@@ -67,6 +71,24 @@ class Walk:
             handler = _resolve(type(obj))
         return handler(self, obj)
 
+    def tensor(self, t: Tensor) -> Tensor:
+        """``tensor_op(t)`` for a tensor not on the walk's device, once per tensor object (a
+        tensor reached twice gives one result)."""
+        memo = self.memo
+        found = memo.get(id(t), _MISSING)
+        if found is _MISSING:
+            found = memo[id(t)] = self.tensor_op(self, t)
+        return found
+
+    def each(self, items: Any) -> list[Any]:
+        """``[self(x) for x in items]``, with the common leaves taken without a dispatch: a
+        plain tensor already on the target is kept, one elsewhere goes to :meth:`tensor`
+        directly, numbers, strings and None are kept (the per-leaf cost of a batch)."""
+        device, memo, op = self.device, self.memo, self.tensor_op
+        return [(x if x.device == device else memo[k] if (k := id(x)) in memo
+                 else memo.setdefault(k, op(self, x))) if type(x) is Tensor
+                else x if type(x) in _PLAIN else self(x) for x in items]
+
 
 # -- handlers: (walk, obj) -> new obj -------------------------------------------------------------
 
@@ -76,11 +98,7 @@ def _leaf(walk: Walk, obj: Any) -> Any:
 
 
 def _tensor(walk: Walk, obj: Tensor) -> Tensor:
-    found = walk.memo.get(id(obj), _MISSING)
-    if found is _MISSING:
-        found = walk.tensor_op(walk, obj)
-        walk.memo[id(obj)] = found
-    return found
+    return obj if obj.device == walk.device else walk.tensor(obj)
 
 
 def _module(walk: Walk, obj: nn.Module) -> nn.Module:
@@ -104,8 +122,7 @@ def _list(walk: Walk, obj: list[Any]) -> list[Any]:
         return found
     out: list[Any] = []
     memo[id(obj)] = out  # registered before the items: a list that holds itself works
-    device = walk.device
-    out += [x if type(x) is Tensor and x.device == device else walk(x) for x in obj]
+    out += walk.each(obj)
     return out
 
 
@@ -113,8 +130,7 @@ def _tuple(walk: Walk, obj: tuple[Any, ...]) -> tuple[Any, ...]:
     found = walk.memo.get(id(obj))
     if found is not None:
         return found
-    device = walk.device
-    out = tuple([x if type(x) is Tensor and x.device == device else walk(x) for x in obj])
+    out = tuple(walk.each(obj))
     walk.memo[id(obj)] = out
     return out
 
@@ -126,16 +142,11 @@ def _dict(walk: Walk, obj: dict[Any, Any]) -> dict[Any, Any]:
         return found
     out: dict[Any, Any] = {}
     memo[id(obj)] = out
-    device, skip = walk.device, walk.skip
+    skip = walk.skip
     if skip:
         out.update({k: v if k in skip else walk(v) for k, v in obj.items()})
     else:
-        out.update(
-            {
-                k: v if type(v) is Tensor and v.device == device else walk(v)
-                for k, v in obj.items()
-            }
-        )
+        out.update(zip(obj.keys(), walk.each(obj.values()), strict=True))
     return out
 
 
@@ -169,10 +180,7 @@ def _mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
 def _namedtuple(walk: Walk, obj: Any) -> Any:
     found = walk.memo.get(id(obj))
     if found is None:
-        device = walk.device
-        found = type(obj)._make(
-            [x if type(x) is Tensor and x.device == device else walk(x) for x in obj]
-        )
+        found = type(obj)._make(walk.each(obj))
         walk.memo[id(obj)] = found
     return found
 
@@ -272,6 +280,7 @@ _HANDLERS: dict[type, Callable[[Walk, Any], Any]] = {
     type(Ellipsis): _leaf,
 }
 LEAF_TYPES = (str, bytes, bytearray, numbers.Number, enum.Enum, type, torch.Size)
+_PLAIN = frozenset({int, float, str, bool, type(None)})  # taken without a dispatch by Walk.each
 
 
 def _resolve(cls: type) -> Callable[[Walk, Any], Any]:
