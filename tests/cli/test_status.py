@@ -27,7 +27,7 @@ GPU_KEYS = {"index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used"
             "processes", "backend", "leases", "architecture", "sm_count",
             "max_sm_clock", "memory_bandwidth", "capability", "blocked"}
 LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share", "kind",
-              "stopped_since"}
+              "stopped_since", "job"}
 
 
 @pytest.fixture

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
-from collections.abc import Iterator
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devicekit.serve import StatusServer
+from devicekit.sharing.machine_status import collect_status
 from tests.conftest import h100
 
 #: a command line and a user name that try HTML, a script and terminal escapes
@@ -69,3 +77,86 @@ def wait_for(server: StatusServer, predicate: Any, seconds: float = 30) -> None:
         assert time.monotonic() < deadline, "the sampler did not catch up within the deadline"
         time.sleep(0.05)
 
+
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+class ServeProcesses:
+    """Starts ``devicekit serve --port 0`` children on loopback, each over its own simulated
+    GPUs and lease directory; :meth:`stop_all` stops every one (SIGTERM, then SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def __call__(self, simulation: Path, lease_dir: Path,
+                 *args: str) -> tuple[subprocess.Popen[str], str]:
+        """Start one; ``(process, url)`` once it printed its start line (within 60 s)."""
+        env = dict(os.environ, PYTHONPATH=SRC, DEVICEKIT_SIMULATE=str(simulation),
+                   DEVICEKIT_LEASE_DIR=str(lease_dir))
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        proc = subprocess.Popen([sys.executable, "-m", "devicekit", "serve", "--port", "0",
+                                 "--interval", "200ms", *args], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.started.append(proc)
+        assert proc.stdout is not None
+        line = ""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + 60
+            while not line and time.monotonic() < deadline:
+                if sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                    line = proc.stdout.readline()
+                    if not line:
+                        break
+        assert line.startswith("devicekit serve: http://"), f"no start line: {line!r}"
+        return proc, line.split()[2]
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            stop_process(proc)
+
+
+@pytest.fixture
+def serve_process() -> Iterator[ServeProcesses]:
+    """``serve_process(simulation, lease_dir, *args) -> (process, url)``; all stopped after
+    the test."""
+    processes = ServeProcesses()
+    try:
+        yield processes
+    finally:
+        processes.stop_all()
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM ``proc`` and wait (bounded); SIGKILL if it does not stop."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
+    else:
+        proc.communicate(timeout=10)
+
+
+def document(simulate, hostname: str, gpus: list[dict[str, Any]],
+             leases: dict[int, dict[str, Any]] | None = None) -> Callable[[], dict[str, Any]]:
+    """A collect function: the simulated ``gpus`` as ``hostname`` sees them, with ``leases``
+    (GPU index -> lease fields) written in."""
+    simulate(gpus, name=f"{hostname}.json")
+    base = collect_status().to_dict()
+    base["host"]["hostname"] = hostname
+    for index, fields in (leases or {}).items():
+        gpu = base["gpus"][index]
+        gpu["leases"] = [{"gpu_uuid": gpu["uuid"], "pid": 4000 + index, "user": "bob",
+                          "host": hostname, "command": "python secret.py", "since": time.time(),
+                          "memory": None, "share": False, "kind": "lease",
+                          "stopped_since": None, "job": None, **fields}]
+
+    def collect() -> dict[str, Any]:
+        doc = copy.deepcopy(base)
+        doc["taken_at"] = time.time()
+        return doc
+    return collect

@@ -98,3 +98,65 @@ def test_page_in_a_browser(simulate, browser, tmp_path):
     # the page's own CSP let its own script and style load: no violation in the console
     errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not [e for e in errors if "Content Security Policy" in e or "/static/" in e], errors
+
+
+def test_lab_page_in_a_browser(simulate, browser):
+    """``serve --peer``: every peer's GPUs and jobs on one page, hostile text as text, a job that
+    starts on a peer shown in place, one column on a phone, nothing blocked by the CSP."""
+    from devicekit.serve.peer_fetch import PeerAddress
+    from devicekit.serve.sampler import Sampler
+    from tests.conftest import h100
+    from tests.serve.conftest import HOSTILE_USER, document
+
+    quiet = document(simulate, "gpu1", [h100(uuid="GPU-11"), h100(uuid="GPU-12")])
+    late = document(simulate, "gpu1", [h100(uuid="GPU-11"), h100(uuid="GPU-12")],
+                    {1: {"job": "late-job"}})
+    busy = document(simulate, "gpu2", [h100(uuid="GPU-21", processes=[
+        {"pid": 5, "user": HOSTILE_USER, "memory": "1GiB", "command": "x"}])],
+        {0: {"job": "<script>alert(3)</script>", "user": "<img src=x onerror=alert(4)>"}})
+    current = {"doc": quiet}
+    peers = [StatusServer("127.0.0.1", 0, interval=0.3,
+                          sampler=Sampler(0.3, collect=lambda: current["doc"]())),
+             StatusServer("127.0.0.1", 0, interval=0.3, sampler=Sampler(0.3, collect=busy))]
+    for peer in peers:
+        peer.start()
+    simulate(machine(2))
+    try:
+        with StatusServer("127.0.0.1", 0, interval=0.3, peers=[
+                PeerAddress.parse(f"127.0.0.1:{p.address[1]}") for p in peers]) as server:
+            browser.get(server.url + "lab")
+            wait = WebDriverWait(browser, 60, poll_frequency=0.1)
+
+            def read(selector: str, what: str = "textContent") -> list[str]:
+                return browser.execute_script(
+                    "return Array.from(document.querySelectorAll(arguments[0]),"
+                    " e => arguments[1].startsWith('data-') ? e.getAttribute(arguments[1]) :"
+                    " e[arguments[1]]);", selector, what)
+
+            wait.until(lambda d: len(read("section.host.up")) == 3)
+            assert read("tr[data-uuid]", "data-uuid") == [
+                *(g.uuid for g in dk.gpus()), "GPU-11", "GPU-12", "GPU-21"]
+            with pytest.raises(NoAlertPresentException):
+                browser.switch_to.alert.text  # noqa: B018
+            page = read("#live", "innerText")[0]
+            assert "<script>alert(3)</script>" in page and "<img src=x onerror=alert(4)>" in page
+            assert read("#live script, #live img") == []
+            # a job that starts on a peer shows up in place, without a reload
+            browser.execute_script("window.devicekitMarker = 7;")
+            current["doc"] = late
+            wait.until(lambda d: "late-job" in read('tr[data-uuid="GPU-12"]', "innerText")[0])
+            assert browser.execute_script("return window.devicekitMarker;") == 7
+            browser.set_window_size(390, 844)
+            wait.until(lambda d: d.execute_script("return window.innerWidth") <= 400)
+            overflow = browser.execute_script(
+                "return document.documentElement.scrollWidth - window.innerWidth;")
+            assert overflow <= 0
+            lefts = browser.execute_script(
+                "return Array.from(document.querySelectorAll('section.host'),"
+                " e => e.getBoundingClientRect().left);")
+            assert len(set(lefts)) == 1 and len(lefts) == 3
+    finally:
+        for peer in peers:
+            peer.stop()
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not [e for e in errors if "Content Security Policy" in e or "/static/" in e], errors

@@ -68,9 +68,12 @@ def test_metrics_parse_and_equal_status_json(server, leased, capsys):
         assert one(found, "devicekit_gpu_leases", **labels) == len(gpu["leases"])
     (lease,) = doc["gpus"][1]["leases"]
     user = lease["user"]
-    lease_labels = {"gpu": "1", "uuid": lease["gpu_uuid"], "user": user, "kind": "lease"}
+    lease_labels = {"gpu": "1", "uuid": lease["gpu_uuid"], "user": user, "kind": "lease",
+                    "job": lease["job"]}
+    assert lease["job"]  # every lease carries its job id (here: this process's generated one)
     assert one(found, "devicekit_lease_holders", **lease_labels) == 1
     assert one(found, "devicekit_lease_since_timestamp_seconds", **lease_labels) == lease["since"]
+    assert one(found, "devicekit_lease_idle_seconds", **lease_labels) == 0  # GPU 1 is 90 % busy
     assert one(found, "devicekit_user_leased_devices", user=user) == 1
     assert one(found, "devicekit_user_gpu_memory_bytes", user="alice") == 2 * 2**30
     assert one(found, "devicekit_user_processes", user=HOSTILE_USER) == 1
@@ -78,8 +81,8 @@ def test_metrics_parse_and_equal_status_json(server, leased, capsys):
     assert one(found, "devicekit_queue_waiting_jobs") == 0
     # bounded cardinality: no label carries a pid or a command line
     labels_seen = {k for rows in found.values() for lab, _ in rows for k in lab}
-    assert labels_seen <= {"gpu", "uuid", "name", "hostname", "user", "kind", "mig", "version",
-                           "backend", "driver_version", "cuda_driver_version"}
+    assert labels_seen <= {"gpu", "uuid", "name", "hostname", "user", "kind", "job", "mig",
+                           "version", "backend", "driver_version", "cuda_driver_version"}
     values_seen = {v for rows in found.values() for lab, _ in rows for v in lab.values()}
     assert not any("python" in v or v in ("4242", "666") for v in values_seen)
 
@@ -91,6 +94,9 @@ def test_api_status_is_the_status_json_document(server, leased, capsys):
     assert body.endswith(b"}\n") and body.count(b"\n") > 50  # printed as `status --json` prints
     doc = status_json(capsys)
     assert set(served) == set(doc)
+    for gpu in served["gpus"]:  # serve's one addition: since when each leased GPU is idle
+        for lease in gpu["leases"]:
+            assert lease.pop("idle_since") is None or gpu["utilization"] < 5
     for key in ("schema", "devicekit_version", "backend", "driver_version", "gpus",
                 "other_leases", "warnings"):
         assert served[key] == doc[key], key

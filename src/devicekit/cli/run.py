@@ -11,14 +11,17 @@ Usage::
     devicekit run --gpus 2 -- python train.py       # 2 leased GPUs, torchrun, 2 processes
     devicekit run --gpus 0,2 -- python train.py     # exactly GPUs 0 and 2 (rank 0 on GPU 0)
     devicekit run --procs 2 -- python train.py      # 2 CPU processes with gloo
+    devicekit run --name bert-lr3e-4 --gpus 2 -- python train.py   # the job id status shows
     devicekit run --nnodes 2 --node-rank 0 --master-addr node01 -- python train.py
     srun --ntasks-per-node=1 devicekit run --gpus all -- python train.py   # world from Slurm
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -151,6 +154,11 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               help="With several processes: when no rank makes progress this long while one"
                    " waits in a collective, print a report naming the rank to look at and stop"
                    " the job (exit 124); 0: never.")
+@click.option("--name", "job_name", metavar="NAME", default=None,
+              help="The job id its leases carry, shown by status, serve and the lab view"
+                   " (1-64 letters, digits or ._:@+=-); default: DEVICEKIT_JOB_ID when set,"
+                   " else six generated hex digits. The job's processes get it as"
+                   " DEVICEKIT_JOB_ID.")
 @click.option("--dry-run", is_flag=True,
               help="Choose the GPUs and print the variables and command line it would start"
                    " (stdout), then release them; start nothing.")
@@ -158,7 +166,7 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
 def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_proc: int | None,
             min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
             wait: float | None, command: tuple[str, ...], dry_run: bool, time_limit: str | None,
-            **node: Any) -> int:
+            job_name: str | None, **node: Any) -> int:
     """Lease GPUs, set CUDA_VISIBLE_DEVICES and run COMMAND until it exits.
 
     One process runs COMMAND directly; several processes or nodes run it under torchrun.
@@ -166,7 +174,7 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     launcher. Without COMMAND the bundled example training runs. The leases are held until
     every process has exited; the exit code is COMMAND's; Ctrl-C stops every process.
     """
-    from devicekit.jobs.run import RunRequest, plan_run, run
+    from devicekit.jobs.run import RunRequest, run
 
     count, ids = _gpus(gpus)
     if gpu_ids is not None:
@@ -182,8 +190,37 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
     def echo(line: str) -> None:
         click.echo(f"devicekit run: {line}", err=True)
 
-    if not dry_run:
-        return run(request, echo=echo)
+    with _job_id(job_name):
+        if not dry_run:
+            return run(request, echo=echo)
+        return _dry_run(request, echo)
+
+
+@contextlib.contextmanager
+def _job_id(name: str | None) -> Iterator[None]:
+    """``DEVICEKIT_JOB_ID`` set to the job's id while it runs (the leases and every process of
+    the job read it), then put back as it was."""
+    from devicekit.sharing.lease_records import JOB_ENV, check_job_name, current_job
+
+    if name is not None:
+        try:
+            check_job_name(name)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--name'") from None
+    previous = os.environ.get(JOB_ENV)
+    os.environ[JOB_ENV] = name if name is not None else current_job()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(JOB_ENV, None)
+        else:
+            os.environ[JOB_ENV] = previous
+
+
+def _dry_run(request: Any, echo: Any) -> int:
+    from devicekit.jobs.run import plan_run
+
     plan = plan_run(request)
     try:
         for line in plan.notes:

@@ -17,8 +17,8 @@ import click
 
 from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
 from devicekit.hardware.printable import printable
-from devicekit.selection.gpu_request import ORDERS
 from devicekit.selection.choose import select_gpus
+from devicekit.selection.gpu_request import ORDERS
 from devicekit.units import format_size, parse_size
 
 __all__ = ["command"]
@@ -44,8 +44,12 @@ With --format index it prints NVML (nvidia-smi) indices, which are PCI bus order
 with CUDA_DEVICE_ORDER=PCI_BUS_ID, or CUDA's default FASTEST_FIRST order may map them to other
 cards. UUIDs (the default) mean the same card under any order.
 
+With --hosts HOST:PORT,... (or --hosts alone: DEVICEKIT_HOSTS, ~/.config/devicekit/hosts) it
+reads each host's `devicekit serve` and prints the best host and its GPUs (`gpu3 GPU-..,GPU-..`);
+each other host's reason and the command to start the job there go to stderr.
+
 \b
-Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs.
+Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs (on any host).
 """
 
 
@@ -66,9 +70,15 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs.
 @click.option("--account-as-free", "users", multiple=True, metavar="USER",
               help="Count USER's processes' GPU memory as free (e.g. your idle notebook).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr when GPUs are chosen.")
+@click.option("--hosts", "hosts", multiple=True, metavar="HOST:PORT,...", is_flag=False,
+              flag_value="",
+              help="Choose among these hosts' devicekit serve (commas or repeated); alone: "
+                   "from DEVICEKIT_HOSTS or ~/.config/devicekit/hosts.")
+@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+              metavar="SECONDS", help="With --hosts: how long each host has to answer.")
 def command(count: str, min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
             order: str, wait: float | None, fmt: str, share: bool, users: tuple[str, ...],
-            quiet: bool) -> None:
+            quiet: bool, hosts: tuple[str, ...], timeout: float) -> int | None:
     n: int | str = count
     if count != "all":
         try:
@@ -88,6 +98,12 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
     # parsed here so that an error names the option the user typed
     min_free_bytes = parse_size(min_free, name="--min-free") if min_free is not None else None
     util = parse_max_util(max_util)
+    if hosts:
+        for flag, given in (("--wait", wait is not None), ("--share", share),
+                            ("--exclude", bool(exclude))):
+            if given:
+                raise click.UsageError(f"{flag} does not go with --hosts (it is one machine's)")
+        return _on_hosts(hosts, timeout, n, min_free_bytes, util, order, fmt, users, quiet)
     selection = select_gpus(
         n, min_free_memory=min_free_bytes, max_utilization=util, exclude=parse_exclude(exclude),
         order=order, wait=wait, lease=False, share=share, account_as_free=users,
@@ -102,3 +118,32 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
     if fmt == "index" and os.environ.get("CUDA_DEVICE_ORDER", "").upper() != "PCI_BUS_ID":
         click.echo("devicekit: these are PCI bus order indices: run the job with "
                    "CUDA_DEVICE_ORDER=PCI_BUS_ID", err=True)
+
+
+def _on_hosts(hosts: tuple[str, ...], timeout: float, n: int | str, min_free: int | None,
+              util: str | None, order: str, fmt: str, users: tuple[str, ...], quiet: bool) -> int:
+    from devicekit.selection.gpu_request import make_request
+    from devicekit.serve.lab import PeerReader
+    from devicekit.serve.lab_choice import choose_host, start_command
+    from devicekit.serve.lab_hosts import lab_hosts
+
+    request = make_request(n, min_free_memory=min_free, max_utilization=util, order=order,
+                           account_as_free=users)
+    choice = choose_host(PeerReader().read(lab_hosts(hosts), timeout), request)
+    best = choice.best
+    if best is not None:
+        host = best.answer.peer.host if best.answer.peer is not None else best.label
+        click.echo(f"{host} {best.value(fmt)}")
+        if quiet:
+            return 0
+        chosen = ", ".join(f"{c.gpu.label} ({format_size(c.available)} free)" for c in best.chosen)
+        click.echo(f"devicekit: chose {printable(best.label)}: {printable(chosen)}", err=True)
+        click.echo(f"devicekit: start it there: {printable(start_command(best, fmt))}", err=True)
+    else:
+        asked = "every free GPU" if n == "all" else f"{n} GPU(s)"
+        click.echo(f"devicekit: no host has {asked} that qualify now", err=True)
+    for verdict in choice.others:  # other machines' text: made inert
+        why = verdict.why or "qualifies too, " + (
+            f"with less free memory ({format_size(verdict.free_memory)})")
+        click.echo(f"devicekit:   {printable(verdict.label)}: {printable(why)}", err=True)
+    return 0 if best is not None else 3

@@ -11,6 +11,7 @@ Usage::
     devicekit serve --host 0.0.0.0 --port 9400 --interval 5s --hide-commands
     devicekit serve --host 0.0.0.0 --allow-host gpu1.lab.example   # a name browsers use for it
     devicekit --simulate cluster.json serve --port 0     # any free port; rehearse anywhere
+    devicekit serve --peer gpu2:9400 --peer gpu3:9400    # /lab: this host and its peers
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def _interval(ctx: click.Context, param: click.Parameter, value: str) -> float:
               help="Also answer requests whose Host is NAME (repeatable). Always answered: "
                    "localhost and IP addresses; off loopback also this machine's hostname and "
                    "FQDN. Others get 403 (a guard against DNS rebinding).")
+@click.option("--peer", "peers", multiple=True, metavar="HOST:PORT",
+              help="Another host's devicekit serve to show on the lab page (/lab, /api/lab); "
+                   "repeatable. Read every interval, 3 s each at most.")
 def command(host: str, port: int, interval: float, hide_commands: bool,
-            allow_hosts: tuple[str, ...]) -> None:
+            allow_hosts: tuple[str, ...], peers: tuple[str, ...]) -> None:
     """Serve a live status page (/), Prometheus metrics (/metrics) and the status JSON
     (/api/status). Read-only: nothing a client sends is run or stored.
 
@@ -74,9 +78,16 @@ def command(host: str, port: int, interval: float, hide_commands: bool,
     2 NVML or driver failure at start.
     """
     from devicekit.serve import StatusServer
+    from devicekit.serve.lab_hosts import lab_hosts
 
+    peer_list = []
+    if peers:
+        try:
+            peer_list = lab_hosts(peers, option="--peer", fallback=False)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     server = StatusServer(host, port, interval=interval, hide_commands=hide_commands,
-                          allow_hosts=allow_hosts)
+                          allow_hosts=allow_hosts, peers=peer_list)
     server.bind()
     if not server.loopback_only:
         click.echo(f"devicekit serve: listening on {server.address[0]}, reachable from other "
@@ -91,8 +102,9 @@ def command(host: str, port: int, interval: float, hide_commands: bool,
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
+        lab = f", {server.url}lab (lab, {len(peer_list)} peer(s))" if peer_list else ""
         click.echo(f"devicekit serve: {server.url} (page), {server.url}metrics, "
-                   f"{server.url}api/status; sampling every {interval:g} s; Ctrl-C to stop")
+                   f"{server.url}api/status{lab}; sampling every {interval:g} s; Ctrl-C to stop")
         while not stop.wait(0.5):
             pass
     finally:

@@ -10,6 +10,11 @@ Usage::
     devicekit status --json | jq '.gpus[] | {index, memory_free, leases}'
     devicekit status --watch          # refresh every 2 s until Ctrl-C
     devicekit status --watch 0.5 --json   # one JSON document per line, every 0.5 s
+    devicekit status --hosts gpu1:9400,gpu2:9400   # the lab: every host's devicekit serve
+    devicekit status --hosts                       # hosts from DEVICEKIT_HOSTS or the hosts file
+
+With ``--hosts`` the facts come from each host's ``devicekit serve`` (``/api/status``), read by
+:class:`devicekit.serve.lab.PeerReader`; the table is :func:`devicekit.serve.lab_table.render_lab`.
 """
 
 from __future__ import annotations
@@ -54,13 +59,28 @@ def _watch_seconds(ctx: click.Context, param: click.Parameter, value: str | None
 @click.option("--no-processes", is_flag=True, help="Leave out the per-process table.")
 @click.option("--count", type=click.IntRange(min=1), default=None, hidden=True,
               help="Stop --watch after this many refreshes (for scripts and tests).")
-def command(as_json: bool, watch: float | None, no_processes: bool, count: int | None) -> None:
+@click.option("--hosts", "hosts", multiple=True, metavar="HOST:PORT,...", is_flag=False,
+              flag_value="",
+              help="Read these hosts' devicekit serve instead of this machine (commas or "
+                   "repeated); alone: from DEVICEKIT_HOSTS or ~/.config/devicekit/hosts.")
+@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+              metavar="SECONDS", help="With --hosts: how long each host has to answer.")
+def command(as_json: bool, watch: float | None, no_processes: bool, count: int | None,
+            hosts: tuple[str, ...], timeout: float) -> int | None:
     """Show every GPU: memory, utilization, processes, users and devicekit leases.
 
     Util is the share of time a kernel was running (averaged over the last few seconds), and
     Mem-BW the share of time memory was being read or written: neither is spare capacity.
-    Exit codes: 0 shown; 1 bad option; 2 NVML or driver failure.
+    With --hosts: one table over several machines, each read from its `devicekit serve`.
+    Exit codes: 0 shown (with --hosts: at least one host answered); 1 bad option; 2 NVML or
+    driver failure (with --hosts: no host answered).
     """
+    if hosts:
+        if watch is not None:
+            raise click.UsageError("--watch does not go with --hosts yet: use "
+                                   "'watch devicekit status --hosts' or the lab page of "
+                                   "'devicekit serve --peer'")
+        return _lab(hosts, timeout, as_json)
     from devicekit.sharing.machine_status import collect_status
 
     if watch is None:
@@ -80,6 +100,20 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
         return
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _lab(hosts: tuple[str, ...], timeout: float, as_json: bool) -> int:
+    from devicekit.serve.lab import PeerReader, lab_document
+    from devicekit.serve.lab_hosts import lab_hosts
+
+    answers = PeerReader().read(lab_hosts(hosts), timeout)
+    if as_json:
+        click.echo(json.dumps(lab_document(answers), indent=2))
+    else:
+        from devicekit.serve.lab_table import render_lab
+
+        _console().print(render_lab(answers))
+    return 0 if any(a.status is not None for a in answers) else 2
 
 
 def _stop_watching(signum: int, frame: Any) -> None:

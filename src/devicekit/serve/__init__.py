@@ -6,6 +6,14 @@ nothing imports it but the CLI. One sampler thread takes the status every interv
 hands out what it built: the page (:mod:`~devicekit.serve.page`), ``/metrics``
 (:mod:`~devicekit.serve.prometheus`, via prometheus-client) and ``/api/status``.
 
+The lab view reads other hosts' ``devicekit serve``: :mod:`~devicekit.serve.peer_fetch` (one
+bounded GET), :mod:`~devicekit.serve.peer_document` (the untrusted answer checked),
+:mod:`~devicekit.serve.lab` (every host in parallel), :mod:`~devicekit.serve.lab_hosts`
+(``--hosts``, ``DEVICEKIT_HOSTS``, the hosts file), :mod:`~devicekit.serve.lab_table` and
+:mod:`~devicekit.serve.lab_choice` (``status --hosts``, ``select --hosts``), and for
+``serve --peer`` :mod:`~devicekit.serve.lab_poller` with :mod:`~devicekit.serve.lab_page`
+(``/lab``, ``/api/lab``).
+
 Usage::
 
     from devicekit.serve import StatusServer

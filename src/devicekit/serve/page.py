@@ -22,6 +22,9 @@ from typing import Any
 
 from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import OTHER, gpus_asked, queue_tickets, user_totals
+from devicekit.serve.time_text import clock as _clock
+from devicekit.serve.time_text import duration as _duration
+from devicekit.serve.time_text import iso as _iso
 from devicekit.units import format_size
 
 __all__ = ["render_page", "render_fragment"]
@@ -41,7 +44,8 @@ _SHELL = """<!DOCTYPE html>
 {fragment}
 </main>
 <footer>devicekit {version} &middot; read-only &middot;
-<a href="/metrics">/metrics</a> &middot; <a href="/api/status">/api/status</a></footer>
+<a href="/lab">the lab</a> &middot; <a href="/metrics">/metrics</a> &middot;
+<a href="/api/status">/api/status</a></footer>
 </body>
 </html>
 """
@@ -184,6 +188,8 @@ def _lease_list(leases: list[dict[str, Any]], now: float, hide_commands: bool) -
                 else "shared by" if lease.get("share") else "leased by")
         bits = [f'{verb} <b class="user">{esc(lease.get("user"))}</b>',
                 f"pid {esc(lease.get('pid'))}"]
+        if lease.get("job"):
+            bits.append(f'job <b class="job">{esc(lease.get("job"), 64)}</b>')
         if lease.get("host"):
             bits.append(f"on {esc(lease.get('host'))}")
         if not hide_commands and lease.get("command"):
@@ -192,6 +198,9 @@ def _lease_list(leases: list[dict[str, Any]], now: float, hide_commands: bool) -
             bits.append(f"{format_size(int(lease['memory']))} asked")
         bits.append(f'since <time datetime="{_iso(since)}">{_clock(since)}</time> '
                     f"({_duration(now - since)})")
+        idle = lease.get("idle_since")
+        if isinstance(idle, int | float) and not isinstance(idle, bool):
+            bits.append(f'<span class="idle">GPU idle for {_duration(now - float(idle))}</span>')
         limit = lease.get("time_limit")
         if isinstance(limit, int | float) and not isinstance(limit, bool):
             bits.append(f"time limit {_duration(float(limit))}")
@@ -230,26 +239,3 @@ def _queue(doc: dict[str, Any], now: float) -> str:
     return ('<h2>Queue</h2><table class="queue"><thead><tr><th>User</th><th>GPUs</th>'
             "<th>State</th><th>Since</th><th>Why</th></tr></thead><tbody>" + "".join(rows)
             + "</tbody></table>")
-
-
-def _iso(epoch: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
-
-
-def _clock(epoch: float) -> str:
-    return time.strftime("%H:%M" if abs(time.time() - epoch) < 86400 else "%Y-%m-%d %H:%M",
-                         time.localtime(epoch))
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(int(seconds), 0)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"

@@ -41,6 +41,8 @@ class UserTotals:
     leased: set[str] = field(default_factory=set)
     waiting_jobs: int = 0
     waiting_gpus: int = 0
+    #: when the user's longest-waiting job joined the queue (None: nothing waits)
+    waiting_since: float | None = None
 
     @property
     def leased_devices(self) -> int:
@@ -52,6 +54,7 @@ class UserTotals:
         self.leased |= other.leased
         self.waiting_jobs += other.waiting_jobs
         self.waiting_gpus += other.waiting_gpus
+        self.waiting_since = _earliest(self.waiting_since, other.waiting_since)
 
 
 def all_leases(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any]]]:
@@ -84,6 +87,10 @@ def gpus_asked(ticket: QueueEntryDoc) -> int:
     return 1
 
 
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _name(value: Any) -> str:
     return str(value) if value not in (None, "") else UNKNOWN
 
@@ -107,6 +114,9 @@ def user_totals(doc: dict[str, Any], limit: int = MAX_USERS) -> list[UserTotals]
         entry = row(ticket.get("user"))
         entry.waiting_jobs += 1
         entry.waiting_gpus += gpus_asked(ticket)
+        since = ticket.get("since")
+        if isinstance(since, int | float) and not isinstance(since, bool):
+            entry.waiting_since = _earliest(entry.waiting_since, float(since))
     ranked = sorted(rows.values(), key=lambda r: (-r.leased_devices, -r.gpu_memory,
                                                    -r.waiting_jobs, r.user))
     if len(ranked) <= limit:

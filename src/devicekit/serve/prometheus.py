@@ -5,9 +5,12 @@ percent, watts, degrees Celsius, seconds since the epoch). Per-GPU gauges carry 
 ``gpu`` (index), ``uuid``, ``name`` and ``hostname`` like dcgm-exporter's; MIG instances add
 ``mig``. What dcgm-exporter cannot say (its issue #109) comes from devicekit's own facts:
 leases by ``user`` and device, per-user memory and processes, and waiting jobs per user when
-the fair queue's ``queue`` section is present. Cardinality is bounded: no label per pid or
-command, users capped by :data:`devicekit.serve.people.MAX_USERS`. A value the backend does
-not know (``null`` in the document) is left out rather than written as 0.
+the fair queue's ``queue`` section is present. Lease metrics carry the lease's ``job`` id, so
+an alert can say which job to stop. For the lab's dashboard and alerts (docs/lab/): how long
+each leased GPU has been idle (the sampler's ``idle_since``, :mod:`~devicekit.serve.idle`),
+queue waits, free devices and lease directory trouble. Cardinality is bounded: no label per
+pid or command, users capped by :data:`devicekit.serve.people.MAX_USERS`. A value the backend
+does not know (``null`` in the document) is left out rather than written as 0.
 
 Usage::
 
@@ -26,15 +29,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from devicekit.serve.idle import IDLE_BELOW, is_idle
 from devicekit.serve.people import all_leases, queue_tickets, user_totals
 
-__all__ = ["render_metrics", "CONTENT_TYPE", "GPU_GAUGES"]
+__all__ = ["render_metrics", "CONTENT_TYPE", "GPU_GAUGES", "free_devices"]
 
 #: the exposition format's content type (text format 0.0.4)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ["gpu", "uuid", "name", "hostname"]
 MIG_LABELS = ["gpu", "mig", "uuid", "name", "hostname"]
-LEASE_LABELS = ["gpu", "uuid", "user", "kind"]
+LEASE_LABELS = ["gpu", "uuid", "user", "kind", "job"]
+#: warnings of a status document that say the lease directory could not be used as it should
+#: (``devicekit.sharing.machine_status.collect_status`` writes them)
+LEASE_DIRECTORY_WARNINGS = ("leases not shown:", "queue not shown:", "queue policy ")
 
 #: per-GPU gauge -> (status --json key, help)
 GPU_GAUGES: dict[str, tuple[str, str]] = {
@@ -78,6 +85,7 @@ class StatusCollector:
         yield from self._leases()
         yield from self._users()
         yield from self._queue()
+        yield from self._lab()
 
     def _machine(self) -> Iterator[Metric]:
         doc = self.doc
@@ -139,10 +147,16 @@ class StatusCollector:
 
     def _leases(self) -> Iterator[Metric]:
         held: dict[tuple[str, ...], list[float]] = {}
+        idle: dict[tuple[str, ...], float] = {}
+        now = float(self.doc.get("taken_at") or 0)
         for gpu, lease in all_leases(self.doc):
             key = ("" if gpu is None else str(gpu.get("index")), str(lease.get("gpu_uuid")),
-                   str(lease.get("user") or ""), str(lease.get("kind") or "lease"))
+                   str(lease.get("user") or ""), str(lease.get("kind") or "lease"),
+                   str(lease.get("job") or ""))
             held.setdefault(key, []).append(float(lease.get("since") or 0))
+            if gpu is not None and is_idle(gpu) is not None:  # utilization known: 0 when busy
+                since = _number(lease.get("idle_since"))
+                idle[key] = max(idle.get(key, 0.0), 0.0 if since is None else max(now - since, 0))
         count = GaugeMetricFamily(
             "devicekit_lease_holders",
             "devicekit leases one user holds on one device (GPU or MIG instance; gpu is empty "
@@ -151,11 +165,18 @@ class StatusCollector:
             "devicekit_lease_since_timestamp_seconds",
             "When the user's oldest lease on the device was taken, seconds since the epoch.",
             labels=LEASE_LABELS)
+        idle_seconds = GaugeMetricFamily(
+            "devicekit_lease_idle_seconds",
+            f"How long the leased GPU has been idle (utilization below {IDLE_BELOW:g}%) while "
+            "the lease held it, as this server saw it; 0 while busy.", labels=LEASE_LABELS)
         for key, times in sorted(held.items()):
             count.add_metric(list(key), len(times))
             since.add_metric(list(key), min(times))
+            if key in idle:
+                idle_seconds.add_metric(list(key), idle[key])
         yield count
         yield since
+        yield idle_seconds
 
     def _users(self) -> Iterator[Metric]:
         rows = user_totals(self.doc)
@@ -187,6 +208,49 @@ class StatusCollector:
             yield GaugeMetricFamily("devicekit_queue_oldest_since_timestamp_seconds",
                                     "When the longest-waiting job joined the queue.",
                                     value=min(since))
+        now = float(self.doc.get("taken_at") or 0)
+        yield GaugeMetricFamily("devicekit_queue_wait_seconds",
+                                "How long the longest-waiting job has waited (0: nobody waits).",
+                                value=max(now - min(since), 0.0) if since else 0.0)
+        per_user = GaugeMetricFamily("devicekit_user_queue_wait_seconds",
+                                     "How long the user's longest-waiting job has waited.",
+                                     labels=["user"])
+        for row in user_totals(self.doc):
+            if row.waiting_since is not None:
+                per_user.add_metric([row.user], max(now - row.waiting_since, 0.0))
+        yield per_user
+
+    def _lab(self) -> Iterator[Metric]:
+        """What the lab's dashboard and alerts need: free GPUs, lease directory trouble."""
+        yield GaugeMetricFamily(
+            "devicekit_gpus_free",
+            "Devices (GPUs, or MIG instances of a GPU in MIG mode) with no lease, no process, no "
+            "squatted lock file and no reservation for a waiting job.", value=free_devices(self.doc))
+        warnings = [w for w in self.doc.get("warnings", []) if isinstance(w, str)]
+        problems = sum(1 for w in warnings if w.startswith(LEASE_DIRECTORY_WARNINGS))
+        problems += sum(1 for g in self.doc.get("gpus", []) if g.get("blocked"))
+        yield GaugeMetricFamily(
+            "devicekit_lease_directory_problems",
+            "Problems with the lease directory: leases or the queue unreadable (wrong owner, "
+            "a symlink, permissions), an ignored queue policy, each GPU whose lock file another "
+            "user made unusable; 0 when it is fine.", value=problems)
+
+
+def free_devices(doc: dict[str, Any]) -> int:
+    """Devices nobody uses or holds: GPUs, or the MIG instances of a GPU in MIG mode."""
+    reserved = {str(u) for t in queue_tickets(doc) for u in (t.get("reserved_uuids") or [])}
+    leased = {str(lease.get("gpu_uuid")) for _, lease in all_leases(doc)}
+    free = 0
+    for gpu in doc.get("gpus", []):
+        if gpu.get("blocked") or gpu.get("uuid") in reserved:
+            continue
+        migs = gpu.get("mig_devices") or []
+        if gpu.get("mig_enabled") and migs:
+            free += sum(1 for m in migs if m.get("uuid") not in leased | reserved
+                        and not m.get("leases"))
+        elif not gpu.get("mig_enabled") and not gpu.get("leases") and not gpu.get("processes"):
+            free += 1
+    return free
 
 
 def _gpu_labels(gpu: dict[str, Any], host: str) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from devicekit.errors import DeviceKitError
 from devicekit.serve.hidden import hide_commands
+from devicekit.serve.idle import IdleTracker
 
 __all__ = ["Sampler", "Snapshot", "hide_commands"]
 
@@ -71,6 +72,8 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._snapshot: Snapshot | None = None
+        #: since when each lease's GPU has been idle (``idle_since`` in the served document)
+        self._idle = IdleTracker()
         #: samples taken (successful or not); for tests and the benchmark
         self.samples = 0
 
@@ -84,7 +87,7 @@ class Sampler:
 
     def start(self) -> None:
         """Take the first sample now (its errors propagate) and start the thread."""
-        self._snapshot = self.build(self._collect())
+        self._snapshot = self.build(self._idle.annotate(self._collect()))
         self.samples = 1
         self._thread = threading.Thread(target=self._run, name="devicekit-serve-sampler",
                                         daemon=True)
@@ -100,7 +103,7 @@ class Sampler:
         """Take one sample now; a failure keeps the last good document and records the error."""
         old = self.snapshot
         try:
-            doc = self._collect()
+            doc = self._idle.annotate(self._collect())
         except Exception as exc:  # any failure: the thread lives on and the error is shown
             text = str(exc).splitlines()[0] if str(exc) else ""
             message = text if isinstance(exc, DeviceKitError) and text else (

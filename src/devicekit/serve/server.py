@@ -5,9 +5,13 @@ Routes (GET and HEAD only; anything else is 405, an unknown path 404):
 - ``/``: the status page; ``/fragment``: its live part; ``/static/page.css``, ``/static/page.js``
 - ``/metrics``: Prometheus text format
 - ``/api/status``: the ``devicekit status --json`` document
+- ``/lab``: the lab page (this host and every ``--peer``); ``/lab/fragment``: its live part;
+  ``/api/lab``: the lab document (every host's status, age and error)
 
 Every response is bytes the :class:`~devicekit.serve.sampler.Sampler` built at its last sample,
-so a request never waits for NVML. Connections are served by one non-blocking selector thread
+so a request never waits for NVML; the lab's bytes are the
+:class:`~devicekit.serve.lab_poller.LabPoller`'s, built in its own thread, so a request never
+waits for a peer either. Connections are served by one non-blocking selector thread
 (:mod:`~devicekit.serve.connections`): an idle socket costs no thread, a connection must send
 its request head within a few seconds, and someone who holds many idle sockets only loses the
 oldest of them to newcomers. A request whose ``Host`` or ``Origin`` names a host the server is
@@ -37,6 +41,9 @@ from devicekit.errors import ServeError
 from devicekit.serve.connections import ConnectionLoop, Limits
 from devicekit.serve.hosts import HostPolicy
 from devicekit.serve.http_messages import Request, Response
+from devicekit.serve.lab import DEFAULT_TIMEOUT
+from devicekit.serve.lab_poller import LabPoller
+from devicekit.serve.peer_fetch import PeerAddress
 from devicekit.serve.prometheus import CONTENT_TYPE as METRICS_TYPE
 from devicekit.serve.sampler import Sampler
 
@@ -77,12 +84,15 @@ class StatusServer:
     """The sampler and the HTTP server together; :meth:`start` binds, :meth:`stop` ends both.
 
     ``allow_hosts``: names besides the defaults that a request's ``Host`` may carry (the CLI's
-    ``--allow-host``); ``limits``: connection limits and timeouts (tests shrink them).
+    ``--allow-host``); ``limits``: connection limits and timeouts (tests shrink them);
+    ``peers``: other hosts' ``devicekit serve`` for the lab view (the CLI's ``--peer``), read
+    every interval, each given ``peer_timeout`` seconds.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 9400, *, interval: float = 2.0,
                  hide_commands: bool = False, sampler: Sampler | None = None,
-                 allow_hosts: Iterable[str] = (), limits: Limits | None = None) -> None:
+                 allow_hosts: Iterable[str] = (), limits: Limits | None = None,
+                 peers: Iterable[PeerAddress] = (), peer_timeout: float = DEFAULT_TIMEOUT) -> None:
         self.host = host
         self.port = port
         self.interval = interval
@@ -91,11 +101,14 @@ class StatusServer:
         self.limits = limits or Limits()
         self.sampler = sampler or Sampler(interval, hide_commands=hide_commands)
         self.static = _static_files()
+        self.lab = LabPoller(list(peers), self.sampler, interval=interval, timeout=peer_timeout,
+                             hide_commands=hide_commands)
         self.hosts: HostPolicy | None = None
         self.loop: ConnectionLoop | None = None
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._page_cache: tuple[object, bytes] | None = None
+        self._lab_cache: tuple[object, bytes] | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -136,8 +149,10 @@ class StatusServer:
         assert self._listener is not None and self.loop is not None
         try:
             self.sampler.start()
+            self.lab.start()
         except BaseException:
             self._listener.close()
+            self.sampler.stop()
             raise
         self._thread = threading.Thread(target=self.loop.run, name="devicekit-serve", daemon=True)
         self._thread.start()
@@ -150,6 +165,7 @@ class StatusServer:
                 self._thread.join(5)
         if self._listener is not None:
             self._listener.close()
+        self.lab.stop()
         self.sampler.stop()
 
     def answer(self, request: Request) -> Response:
@@ -170,10 +186,16 @@ class StatusServer:
             return Response(200, snap.fragment_html, _HTML)
         if path in ("/", "/index.html"):
             return Response(200, self.page(), _HTML)
+        if path == "/api/lab":
+            return Response(200, self.lab.snapshot.lab_json, "application/json")
+        if path == "/lab/fragment":
+            return Response(200, self.lab.snapshot.fragment_html, _HTML)
+        if path in ("/lab", "/lab/"):
+            return Response(200, self.lab_page(), _HTML)
         if path in self.static:
             body, kind = self.static[path]
             return Response(200, body, kind)
-        return Response(404, b"not found: try /, /metrics or /api/status\n")
+        return Response(404, b"not found: try /, /lab, /metrics, /api/status or /api/lab\n")
 
     def page(self) -> bytes:
         """The whole page for the current snapshot (built once per snapshot)."""
@@ -186,6 +208,22 @@ class StatusServer:
         body = render_page(snap.status, interval=self.interval,
                            fragment=snap.fragment_html.decode()).encode()
         self._page_cache = (snap, body)
+        return body
+
+    def lab_page(self) -> bytes:
+        """The whole lab page for the current lab snapshot (built once per snapshot)."""
+        from devicekit.serve.lab_page import render_lab_page
+
+        snap = self.lab.snapshot
+        cached = self._lab_cache
+        if cached is not None and cached[0] is snap:
+            return cached[1]
+        own = self.sampler.snapshot.status
+        body = render_lab_page(snap.lab, interval=self.interval,
+                               fragment=snap.fragment_html.decode(),
+                               title=str(own.get("host", {}).get("hostname", "")),
+                               version=str(own.get("devicekit_version", ""))).encode()
+        self._lab_cache = (snap, body)
         return body
 
     def __enter__(self) -> StatusServer:

@@ -6,12 +6,17 @@ file is held without any lease file (a process that took it by hand, or one caug
 locking and writing), the holder ``/proc/locks`` names (``kind="lock"``). The user is always
 the owner of the file or of the process, never what a file claims.
 
+Every lease also carries a job id (``job``): ``devicekit run --name NAME``'s name, handed to
+the job's processes as ``DEVICEKIT_JOB_ID``, else one generated per process (six hex digits),
+so a person can be told which job to stop. A file's ``job`` is the writer's word: bounded here,
+shown inert by whoever prints it.
+
 Usage::
 
     from devicekit.sharing.lease_records import read_leases
 
     for record in read_leases():
-        print(record.gpu_uuid, record.describe())   # leased by bob (pid 812, ...) since 14:02
+        print(record.gpu_uuid, record.job, record.describe())   # leased by bob (pid 812, ...)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import stat
 import sys
@@ -29,17 +35,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from devicekit.errors import LeaseError
+from devicekit.errors import InvalidValueError, LeaseError
 from devicekit.sharing.device_locks import BUDGET, holders, safe_name
 from devicekit.sharing.lease_directory import OPEN_FLAGS, resolve_directory, user_name
 
-__all__ = ["LeaseRecord", "read_leases", "file_records", "current_command", "SUFFIX", "TMP_PREFIX"]
+__all__ = ["LeaseRecord", "read_leases", "file_records", "current_command", "current_job",
+           "check_job_name", "JOB_ENV", "MAX_JOB_CHARS", "SUFFIX", "TMP_PREFIX"]
 
 SUFFIX = ".lease"
 TMP_PREFIX = ".tmp-"
 _MAX_RECORD = 64 * 1024  # a real record is a few hundred bytes
 #: a temporary file is locked microseconds after it is made; one this old and unlocked is debris
 _TMP_GRACE = 60.0
+#: the job id a process's leases carry (``devicekit run`` sets it for its command)
+JOB_ENV = "DEVICEKIT_JOB_ID"
+#: the longest job id kept (a name, not a command line)
+MAX_JOB_CHARS = 64
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,9 @@ class LeaseRecord:
     #: ``"lease"`` (a lease file) or ``"lock"`` (a process holding the device's lock file
     #: without a lease file: shown so that nobody holds a GPU unseen)
     kind: str = "lease"
+    #: the job this lease belongs to (``devicekit run --name``, else generated); None for a bare
+    #: lock holder or a lease file written by a devicekit without job ids
+    job: str | None = None
 
     def describe(self) -> str:
         """``leased by bob (pid 812, python train.py) since 14:02`` (``shared`` for share leases)."""
@@ -77,6 +92,8 @@ class LeaseRecord:
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("kind")  # a lease file is always kind "lease"; the format stays what it was
+        if data["job"] is None:
+            data.pop("job")
         return json.dumps(data, sort_keys=True)
 
 
@@ -84,6 +101,41 @@ def _format_bytes(n: int) -> str:
     from devicekit.units import format_size
 
     return format_size(n)
+
+
+def check_job_name(name: str) -> str:
+    """``name`` as a job id, or :class:`InvalidValueError`: 1-64 letters, digits and ``._:@+=-``,
+    starting with a letter or digit (it becomes a metrics label and a word in a table)."""
+    if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
+        from devicekit.hardware.printable import printable
+
+        raise InvalidValueError(
+            f"job name {printable(str(name))[:80]!r} must be 1-{MAX_JOB_CHARS} letters, digits or"
+            " ._:@+=- starting with a letter or digit, e.g. --name bert-lr3e-4")
+    return name
+
+
+_generated: str | None = None
+
+
+def current_job() -> str:
+    """This process's job id: ``DEVICEKIT_JOB_ID`` when it holds a valid one (``devicekit run``
+    sets it for its command), else six hex digits generated once per process (a forked child
+    keeps its parent's)."""
+    global _generated
+    named = os.environ.get(JOB_ENV, "")
+    if named and _JOB_NAME.fullmatch(named):
+        return named
+    if _generated is None:
+        _generated = os.urandom(3).hex()
+    return _generated
+
+
+def _job_of(value: Any) -> str | None:
+    """A lease file's ``job``: another user's text, kept bounded (printers make it inert)."""
+    if not isinstance(value, str) or not value:
+        return None
+    return value[:MAX_JOB_CHARS]
 
 
 def current_command() -> str:
@@ -166,6 +218,7 @@ def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
             since=float(data.get("since", info.st_mtime)),
             memory=int(memory) if memory is not None else None,
             share=bool(data.get("share", False)),
+            job=_job_of(data.get("job")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None

@@ -57,6 +57,7 @@ from devicekit.sharing.lease_records import (
     SUFFIX,
     LeaseRecord,
     current_command,
+    current_job,
     file_records,
     read_leases,
 )
@@ -101,15 +102,16 @@ class Lease:
     @classmethod
     def acquire(cls, gpu_uuids: Iterable[str], *, memory: int | None = None, share: bool = False,
                 command: str | None = None, directory: str | os.PathLike[str] | None = None,
-                ) -> Lease:
+                job: str | None = None) -> Lease:
         """Lease every GPU named by uuid, or none: :class:`LeaseError` naming a taken one.
 
         An exclusive lease conflicts with any live lease on the GPU; a ``share`` lease conflicts
-        only with exclusive ones (memory budgets are checked by ``select_gpus``).
+        only with exclusive ones (memory budgets are checked by ``select_gpus``). ``job``: the
+        job id the lease files carry (default :func:`~devicekit.sharing.lease_records.current_job`).
         """
         uuids = list(gpu_uuids)
         lease, refused = cls.take(uuids, count=len(uuids), memory=memory, share=share,
-                                  command=command, directory=directory)
+                                  command=command, directory=directory, job=job)
         if lease is None:
             uuid, why = next(iter(refused.items()))
             if why.startswith("unusable:"):
@@ -121,17 +123,17 @@ class Lease:
     def take(cls, gpu_uuids: Iterable[str], *, count: int | None = None,
              memory: int | None = None, share: bool = False, command: str | None = None,
              directory: str | os.PathLike[str] | None = None, judge: Judge | None = None,
-             ) -> tuple[Lease | None, dict[str, str]]:
+             job: str | None = None) -> tuple[Lease | None, dict[str, str]]:
         """Lease the first ``count`` (None: every one) of ``gpu_uuids`` that can be had, in order.
 
         Each device is locked without waiting; one that cannot be had is skipped and its reason
         kept. Returns ``(lease, {uuid: why not})``; ``lease`` is None when fewer than ``count``
         (or, for None, not one) could be had, and then nothing stays held. ``judge`` decides,
         with the device locked and its lease files read afresh, whether it still qualifies
-        (``select_gpus`` checks share budgets with it).
+        (``select_gpus`` checks share budgets with it). ``job``: as for :meth:`acquire`.
         """
         path = resolve_directory(directory)
-        me = _Identity(memory, share, command)
+        me = _Identity(memory, share, command, job)
         refused: dict[str, str] = {}
         taken = Lease([], [], [])
         try:
@@ -240,15 +242,17 @@ class Lease:
 class _Identity:
     """What every lease file of one request says."""
 
-    def __init__(self, memory: int | None, share: bool, command: str | None) -> None:
+    def __init__(self, memory: int | None, share: bool, command: str | None,
+                 job: str | None = None) -> None:
         self.memory, self.share = memory, share
         self.command = command if command is not None else current_command()
+        self.job = job if job is not None else current_job()
         self.user, self.host, self.since = user_name(os.geteuid()), os.uname().nodename, time.time()
 
     def record(self, uuid: str) -> LeaseRecord:
         return LeaseRecord(gpu_uuid=uuid, pid=os.getpid(), user=self.user, host=self.host,
                            command=self.command, since=self.since, memory=self.memory,
-                           share=self.share)
+                           share=self.share, job=self.job)
 
 
 def _take_one(directory: Path, uuid: str, me: _Identity, judge: Judge | None,

@@ -298,13 +298,15 @@ def _lease_table(report: StatusReport, now: float) -> Any:
     table.add_column("User")
     table.add_column("Host")
     table.add_column("PID", justify="right")
+    table.add_column("Job")
     table.add_column("Held for", justify="right")
     table.add_column("Memory", justify="right")
     table.add_column("Command", overflow="ellipsis")
     for gpu_label, r in labelled:
         stopped = report.stopped.get(r.pid)
         table.add_row(Text(printable(gpu_label)), Text(printable(r.user)), Text(printable(r.host)),
-                      str(r.pid) + (" stopped" if stopped is not None else ""), _age(now - r.since),
+                      str(r.pid) + (" stopped" if stopped is not None else ""),
+                      Text(printable(r.job) if r.job else "-"), _age(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
                       Text(_short(r.command) if r.kind == "lease"

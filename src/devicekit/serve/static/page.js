@@ -1,5 +1,6 @@
 // devicekit serve: refresh the live part of the page without a full reload.
-// Fetches /fragment (HTML the server has already escaped) every interval and swaps it in;
+// Fetches /fragment (or the path in #live's data-fragment: /lab/fragment on the lab page; HTML
+// the server has already escaped) every interval and swaps it in;
 // when the server cannot be reached the badge turns "stale" and the last view stays.
 (function () {
   "use strict";
@@ -7,6 +8,7 @@
   var state = document.getElementById("state");
   if (!live || !window.fetch) { return; }
   var interval = Math.max(parseInt(live.getAttribute("data-interval-ms"), 10) || 2000, 200);
+  var source = live.getAttribute("data-fragment") === "/lab/fragment" ? "/lab/fragment" : "/fragment";
   var busy = false;
 
   function mark(ok, text) {
@@ -18,7 +20,7 @@
   function refresh() {
     if (busy || document.hidden) { return; }
     busy = true;
-    fetch("/fragment", { cache: "no-store" })
+    fetch(source, { cache: "no-store" })
       .then(function (response) {
         if (!response.ok) { throw new Error("HTTP " + response.status); }
         return response.text();
