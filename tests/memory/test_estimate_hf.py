@@ -115,3 +115,26 @@ def test_a_sample_the_model_really_rejects_is_refused_with_the_real_error() -> N
     model = torch.nn.Sequential(torch.nn.Linear(16, 4))
     with pytest.raises(InvalidValueError, match=r"failed on the sample \[\(8, 7\)\]: RuntimeError"):
         dk.estimate_memory(model, torch.zeros(8, 7), device="cpu")
+
+
+def test_a_step_that_cannot_be_resized_is_said_so_not_blamed_on_the_sample(monkeypatch) -> None:
+    """Real CPU steps stand in at smaller batches; a step= holding full-batch labels breaks
+    there, and the refusal says so instead of calling the sample wrong."""
+    from devicekit.errors import InvalidValueError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    labels = torch.zeros(64, dtype=torch.long)
+
+    def step(m: torch.nn.Module, x: torch.Tensor) -> Any:
+        out = m(x)
+        torch.nn.functional.cross_entropy(out, labels).backward()
+        return out
+
+    def no_fake(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a fake kernel that refuses")
+
+    import devicekit.memory.estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "fake_step", no_fake)
+    with pytest.raises(InvalidValueError, match="take them from its sample"):
+        dk.estimate_memory(model, torch.zeros(64, 8), step=step, device="cpu")

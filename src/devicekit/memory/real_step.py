@@ -79,28 +79,44 @@ def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optim
                                 "build it on the CPU at a small size, or pass step=")
     results = []
     for batch in batches:
-        real = copy.deepcopy(model).cpu()
-        tracker = LiveBytes("cpu")
-        for t in [*real.parameters(), *real.buffers()]:
-            tracker.track(t, "weights")
-        data = _real_sample(sample, batch)
-        for t in tensors(data):
-            tracker.track(t, "inputs")
-        opt = make_optimizer(optimizer, real.parameters())
-        hooks = phase_hooks(real, opt, tracker)
-        last = LoopOutput(real)  # the previous output dies when the next forward returns
         try:
-            with tracker:
-                for index in range(2):
-                    if index == 1:
-                        tracker.restart_peak()
-                    last.keep(training_step(real, data, opt, precision=precision, loss_fn=loss_fn,
-                                            device_type="cpu", keep_output=keep_output, step=step))
-                    tracker.phase, tracker.part = "after step", "temporaries"
-        finally:
-            last.close()
-            for handle in hooks:
-                handle.remove()
-        results.append(dict(tracker.phase_peaks))
-        del real, opt, data
+            results.append(_peaks_at(model, sample, batch, optimizer=optimizer,
+                                     precision=precision, loss_fn=loss_fn,
+                                     keep_output=keep_output, step=step))
+        except InvalidValueError:
+            raise
+        except Exception as exc:
+            exc.devicekit_batch = batch  # type: ignore[attr-defined]  (which step failed)
+            raise
     return results
+
+
+def _peaks_at(model: nn.Module, sample: Any, batch: int, *, optimizer: OptimizerSpec,
+              precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+              keep_output: bool, step: StepFn | None) -> dict[str, tuple[int, dict[str, int]]]:
+    """Phase -> (peak, parts at it) of the second of two real CPU steps at ``batch``."""
+    real = copy.deepcopy(model).cpu()
+    tracker = LiveBytes("cpu")
+    for t in [*real.parameters(), *real.buffers()]:
+        tracker.track(t, "weights")
+    data = _real_sample(sample, batch)
+    for t in tensors(data):
+        tracker.track(t, "inputs")
+    opt = make_optimizer(optimizer, real.parameters())
+    hooks = phase_hooks(real, opt, tracker)
+    last = LoopOutput(real)  # the previous output dies when the next forward returns
+    try:
+        with tracker:
+            for index in range(2):
+                if index == 1:
+                    tracker.restart_peak()
+                last.keep(training_step(real, data, opt, precision=precision, loss_fn=loss_fn,
+                                        device_type="cpu", keep_output=keep_output, step=step))
+                tracker.phase, tracker.part = "after step", "temporaries"
+    finally:
+        last.close()
+        for handle in hooks:
+            handle.remove()
+    peaks = dict(tracker.phase_peaks)
+    del real, opt, data
+    return peaks
