@@ -101,7 +101,7 @@ def test_data_file_that_is_a_fifo_is_refused_without_hanging(ckpt, how):
     assert done.returncode == 0, done.stderr[-2000:]
     assert lines[0].startswith("CheckpointError ") and DATA in lines[0], done.stdout
     assert "FIFO" in lines[0] or "not a regular file" in lines[0]
-    assert float(lines[1].split()[1]) < 5, lines
+    # no timing assertion (a loaded machine is slow, not hung): the child's timeout is the check
 
 
 def test_data_file_symlinked_outside_the_directory_is_not_read(ckpt, tmp_path):
