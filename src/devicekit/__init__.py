@@ -122,6 +122,7 @@ _EXPORTS: dict[str, str] = {
     "load_ddp_checkpoint": "devicekit.parallel.ddp:load_ddp_checkpoint",
     "split": "devicekit.modelparallel.split:split",
     "Pipeline": "devicekit.modelparallel.pipeline:Pipeline",
+    "Call": "devicekit.modelparallel.call_args:Call",
     "plan_devices": "devicekit.modelparallel.plan:plan_devices",
     "SplitModel": "devicekit.modelparallel.split:SplitModel",
     "ModuleSplit": "devicekit.modelparallel.module_split:ModuleSplit",

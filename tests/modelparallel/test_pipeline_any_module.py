@@ -108,8 +108,22 @@ def test_data_dependent_control_flow_is_refused_in_one_line() -> None:
     with pytest.raises(dk.SplitError) as info:
         dk.Pipeline(Branchy(), ["cpu", "cpu"], chunks=2)
     message = str(info.value)
-    assert "\n" not in message and "does not trace" in message and "torch.fx" in message
-    assert "stages=[...]" in message and "dk.split" in message
+    assert "\n" not in message and "does not trace" in message and "control flow on a tensor's value" in message
+    assert "stages=['b']" in message and "dk.split" in message
+
+
+def test_following_the_refusals_stages_advice_works() -> None:
+    """stages=['b'] (what the refusal offers) runs Branchy's own forward, cut before b by hooks."""
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    with dk.Pipeline(model, ["cpu", "cpu"], chunks=1, stages=["b"]) as pipe:
+        out = pipe(x)
+    want = ref(x)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
 
 
 class Gated(nn.Module):

@@ -22,6 +22,8 @@ stage per process). Entry points, re-exported as ``dk.*``:
 * ``Pipeline`` (:mod:`.pipeline`) and ``pipeline_stage`` (:mod:`.stages`): GPipe micro-batches
   over a chain of consecutive parts, in threads or across processes.
 * ``Plan`` (:mod:`.partition`) and ``DeferredBatchNorm`` (:mod:`.batchnorm`).
+* ``Call`` (:mod:`.call_args`, importable from this package): a sample of positional and keyword
+  arguments, ``sample=Call(x, mask=m)``; a dict of the forward's argument names is keywords too.
 
 One concept per file, in layers (each imports only those below it):
 
@@ -29,12 +31,17 @@ One concept per file, in layers (each imports only those below it):
 * planning and placing: ``module_split`` (hooks place units), ``module_plan`` (units within
   budgets), ``budget_fit`` (fewest GPUs, CPU offload), ``unit_plan`` (measure and group tied
   units), ``layer_plan`` (consecutive parts for a pipeline), ``chain`` (trace a model into
-  stages);
+  stages), ``blocks`` (stages at a model's block boundaries, for a forward run as it is),
+  ``block_pipeline`` (that forward pipelined by hooks and micro-batch threads);
 * pieces: ``module_units``, ``layer_profile``, ``sharing``, ``partition``, ``balance``,
   ``device_flow``, ``worker``, ``copy_streams``, ``recompute``, ``microbatch``, ``schedule``,
-  ``batchnorm``, ``stays``, ``device_list``.
+  ``batchnorm``, ``stays``, ``device_list``, ``call_args``, ``output_join``, ``microbatch_threads``.
 
 What it may import: ``placement`` (devices, moving nested tensors), ``hardware`` (the inventory,
 for default budgets; imported inside the function that needs it), ``units`` and ``errors``.
 Nothing in ``parallel``, ``memory``, ``launch`` or above: those may import this wing.
 """
+
+from devicekit.modelparallel.call_args import Call
+
+__all__ = ["Call"]

@@ -42,13 +42,14 @@ from torch import fx, nn
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.module_units import find_units
 from devicekit.modelparallel.trace import (
+    UntraceableError,
     grad_mode_enter,
     grad_mode_restore,
     grad_regions,
     trace_module,
 )
 
-__all__ = ["Chain", "to_chain"]
+__all__ = ["Chain", "to_chain", "check_stage_names"]
 
 
 class Chain(nn.Sequential):
@@ -60,7 +61,7 @@ class Chain(nn.Sequential):
         object.__setattr__(self, "model_name", model_name)
 
 
-def _check_names(model: nn.Module, stages: Any) -> list[str]:
+def check_stage_names(model: nn.Module, stages: Any) -> list[str]:
     if isinstance(stages, str) or not isinstance(stages, Sequence) or not all(isinstance(s, str) for s in stages):
         raise InvalidValueError(f"stages {stages!r} must be a list of submodule names, e.g. ['embed', 'blocks.2']")
     names = list(dict.fromkeys(stages))
@@ -88,7 +89,7 @@ def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
         cut_at = {u.name for u in units}
         gm = trace_module(model, cut_at, set())
     else:
-        cut_at = set(_check_names(model, stages))
+        cut_at = set(check_stage_names(model, stages))
         opened = {n.rsplit(".", i)[0] for n in cut_at for i in range(1, n.count(".") + 1)}
         gm = trace_module(model, None, opened | {""})
     nodes = list(gm.graph.nodes)
@@ -113,7 +114,7 @@ def to_chain(model: nn.Module, stages: Sequence[str] | None = None) -> Chain:
     elif starts[0] != 0:
         starts.insert(0, 0)
     if len(placeholders) != 1:
-        raise SplitError(f"cannot pipeline {name}: its forward takes {len(placeholders)} inputs; pass one batch")
+        raise UntraceableError(f"cannot pipeline {name}: its forward takes {len(placeholders)} inputs; pass one batch")
     bounds = [*starts, len(body)]
     position = {n: i for i, n in enumerate(body)}
     last_use: dict[fx.Node, int] = {}

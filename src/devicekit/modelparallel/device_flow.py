@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,16 +107,60 @@ class MixedDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _ThreadState(threading.local):
+    """What one thread's call of the split model is doing (a pipeline runs micro-batches in threads)."""
+
+    def __init__(self, first: torch.device) -> None:
+        self.current = first
+        self.depth = 0
+        self.popped = False
+
+
 class DeviceFlow:
-    """Per split model: the device the data is on now, and the mode parent code runs under."""
+    """Per split model: the device the data is on now, and the mode parent code runs under.
+
+    The state is per thread, so micro-batches running the model in several threads at once
+    (:mod:`~devicekit.modelparallel.block_pipeline`) each keep their own."""
 
     def __init__(self, first: torch.device) -> None:
         self.first = first
-        self.current = first
-        #: units running now (a unit called from inside another unit nests)
-        self.depth = 0
+        self._state = _ThreadState(first)
         self.mode = MixedDeviceMode(self)
-        self._popped = False
+
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy / pickle: a thread's state is not copied
+        state = dict(self.__dict__)
+        del state["_state"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._state = _ThreadState(self.first)
+
+    @property
+    def current(self) -> torch.device:
+        """The device of the unit that ran last in this thread."""
+        return self._state.current
+
+    @current.setter
+    def current(self, device: torch.device) -> None:
+        self._state.current = device
+
+    @property
+    def depth(self) -> int:
+        """Units running now in this thread (a unit called from inside another unit nests)."""
+        return self._state.depth
+
+    @depth.setter
+    def depth(self, value: int) -> None:
+        self._state.depth = value
+
+    @property
+    def _popped(self) -> bool:
+        return self._state.popped
+
+    @_popped.setter
+    def _popped(self, value: bool) -> None:
+        self._state.popped = value
 
     def __enter__(self) -> DeviceFlow:
         self.current, self.depth, self._popped = self.first, 0, False

@@ -35,7 +35,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from devicekit.errors import InvalidValueError
 from devicekit.placement.walk import Walk
 
-__all__ = ["scatter", "gather", "move", "batch_leaves", "padded"]
+__all__ = ["scatter", "gather", "move", "batch_leaves", "padded", "map_leaves"]
 
 Leaf = torch.Tensor | PackedSequence
 
@@ -50,6 +50,9 @@ def _map_leaves(obj: Any, fn: Callable[[Leaf], Any]) -> Any:
         return fn(o) if isinstance(o, PackedSequence) else o
 
     return Walk(None, lambda walk, t: fn(t), on_object, _keep_module, frozenset())(obj)
+
+
+map_leaves = _map_leaves  # public name: rebuild ``obj`` around new tensors (output_join uses it)
 
 
 def batch_leaves(obj: Any) -> list[Leaf]:

@@ -19,12 +19,13 @@ Usage::
     from devicekit.modelparallel.module_units import find_units, trace_units
 
     units = find_units(model)                        # [Unit('embed'), Unit('blocks.0'), ...]
-    costs, order = trace_units(model, units, sample)  # order[:called] ran on the sample # LayerCost per unit, execution order
+    costs, order, called = trace_units(model, units, sample)  # LayerCost per unit, run order, calls per unit
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +35,11 @@ from torch import nn
 from torch.func import functional_call
 
 from devicekit.errors import SplitError
+from devicekit.modelparallel.call_args import as_call
 from devicekit.modelparallel.layer_profile import LayerCost
 from devicekit.placement.walk import map_tensors
 
-__all__ = ["Unit", "find_units", "trace_units", "tie_groups", "is_plain_sequential", "own_tensors"]
+__all__ = ["Unit", "find_units", "trace_units", "tie_groups", "group_count", "is_plain_sequential", "own_tensors"]
 
 
 @dataclass
@@ -79,8 +81,10 @@ def find_units(
     """The units of ``model`` in registration order, and the names of the modules opened.
 
     ``opened`` names modules to open further, ``sealed`` modules never to open (their forward
-    uses their children's weights directly). With fewer than ``at_least`` units, the largest
-    unit that has children is opened, until there are enough or none can be opened.
+    uses their children's weights directly). With fewer than ``at_least`` placeable groups (units
+    that share a tensor count once: a tied embedding and head are one group), the largest unit
+    that has children is opened, until there are enough or none can be opened. Opening never
+    lowers the group count, so the count this stops at for ``k`` is reached for any smaller ``k``.
     """
     if not any(True for _ in model.children()):
         raise SplitError(
@@ -90,7 +94,7 @@ def find_units(
     now = set(opened) - set(sealed)
     while True:
         units = _walk(model, now)
-        if len(units) >= at_least:
+        if group_count(units) >= at_least:
             return units, frozenset(now)
         closed = [u for u in units if u.name not in sealed and any(True for _ in u.module.children())]
         if not closed:
@@ -124,6 +128,11 @@ def _walk(model: nn.Module, opened: set[str]) -> list[Unit]:
         if tensors:
             units[min(first, len(units) - 1)].extras.extend(tensors)
     return units
+
+
+def group_count(units: list[Unit]) -> int:
+    """How many groups ``units`` form once units that share a tensor are merged."""
+    return len(set(tie_groups(units)[0])) if len(units) > 1 else len(units)
 
 
 def tie_groups(units: list[Unit]) -> tuple[list[int], list[tuple[str, str, int]]]:
@@ -165,7 +174,8 @@ def _to_meta(t: torch.Tensor) -> torch.Tensor:
 
 def _prepare_run(model: nn.Module, sample: Any) -> tuple[Any, set[int]]:
     """A call running ``sample`` through ``model`` (on the meta device when model or sample is
-    there, else for real) and the ids of the weights it uses (not counted as activations)."""
+    there, else for real) and the ids of the weights it uses (not counted as activations).
+    A keyword batch (a dict of the forward's argument names, or a ``Call``) is passed as keywords."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     on_meta = any(t.device.type == "meta" for t in tensors.values()) or any(
@@ -177,22 +187,25 @@ def _prepare_run(model: nn.Module, sample: Any) -> tuple[Any, set[int]]:
             if id(t) not in by_id:
                 by_id[id(t)] = _to_meta(t.detach()).requires_grad_(t.requires_grad)
             fake[name] = by_id[id(t)]
-        x = map_tensors(sample, _to_meta)
-        return (lambda: functional_call(model, fake, (x,), tie_weights=False, strict=False)), {
+        args, kwargs = map_tensors(as_call(model, sample), _to_meta)
+        return (lambda: functional_call(model, fake, args, kwargs, tie_weights=False, strict=False)), {
             id(t) for t in by_id.values()}
     devices = {t.device for t in tensors.values()}
-    x = map_tensors(sample, lambda t: t.to(next(iter(devices)))) if len(devices) == 1 else sample
-    return (lambda: model(x)), {id(t) for t in tensors.values()}
+    args, kwargs = as_call(model, sample)
+    if len(devices) == 1:
+        args, kwargs = map_tensors((args, kwargs), lambda t: t.to(next(iter(devices))))
+    return (lambda: model(*args, **kwargs)), {id(t) for t in tensors.values()}
 
 
 def trace_units(
     model: nn.Module, units: list[Unit], sample: Any, *, measure_time: bool = False, repeat: int = 3
-) -> tuple[list[LayerCost], list[int], set[int]]:
+) -> tuple[list[LayerCost], list[int], Counter[int]]:
     """Costs of each unit, the order they run in (indices into ``units``; one never called after
-    its registered neighbour) and the units that ran on the sample."""
+    its registered neighbour) and how often each unit ran in one forward on the sample (a
+    Counter: a unit that did not run is absent; without a sample every unit counts once)."""
     costs = [_static_cost(u) for u in units]
     if sample is None:
-        return costs, list(range(len(units))), set(range(len(units)))
+        return costs, list(range(len(units))), Counter(range(len(units)))
     index = {id(u.module): i for i, u in enumerate(units)}
     order: list[int] = []
     stack: list[int] = []
@@ -204,8 +217,11 @@ def trace_units(
     weights: set[int] = set()
     run_seconds = [0.0] * len(units)
 
+    calls: Counter[int] = Counter()
+
     def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
         i = index[id(module)]
+        calls[i] += 1
         if i not in order:
             order.append(i)
         stack.append(i)
@@ -241,6 +257,7 @@ def trace_units(
         with torch.random.fork_rng(devices=[]):
             for _ in range(runs):
                 run_seconds[:] = [0.0] * len(units)
+                calls.clear()
                 saved[:] = [0] * len(units)  # each run counts them afresh
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     seen.clear()
@@ -253,9 +270,15 @@ def trace_units(
                         raise
                     except Exception as exc:
                         text = str(exc).splitlines()[0] if str(exc) else ""
+                        if "meta tensor" in text:
+                            raise SplitError(
+                                f"model {type(model).__name__} cannot run on the meta device: its forward reads a "
+                                f"tensor's value ({text}); plan it with real weights and a real sample, or leave out "
+                                "the input it reads (an attention_mask of ones)") from exc
                         raise SplitError(
                             f"model {type(model).__name__} failed on the sample: {type(exc).__name__}: "
-                            f"{text}; pass the model's first input as sample=..."
+                            f"{text}; pass the model's first input as sample=..., or its keyword batch as a dict "
+                            "(sample={'input_ids': ids, ...})"
                         ) from exc
                     stack.clear()
                 seconds = [min(a, b) for a, b in zip(seconds, run_seconds, strict=True)]
@@ -268,7 +291,7 @@ def trace_units(
             for b in model.buffers():
                 if id(b) in snapshot:
                     b.copy_(snapshot[id(b)])
-    called = set(order)
+    called = Counter({i: calls[i] for i in order})
     for i in range(len(units)):  # a unit never called keeps its place after its registered neighbour
         if i not in order:
             order.insert(order.index(i - 1) + 1 if i else 0, i)

@@ -4,7 +4,11 @@ The model is a chain of layers: an ``nn.Sequential``, or any module whose forwar
 ``torch.fx`` traces, turned into a Sequential of stages by
 :mod:`~devicekit.modelparallel.chain` (cut before each unit, or before the submodules named in
 ``stages=[...]``; values needed later pass through; the model's own parameters, nothing copied).
-A forward that does not trace is refused with the reason, offering ``stages`` or ``dk.split``.
+A Hugging Face transformers model, and a model whose forward does not trace but that holds a
+block list (or is given ``stages=[...]``), is not traced: its own forward runs once per
+micro-batch, cut at its blocks by hooks (:mod:`~devicekit.modelparallel.block_pipeline`), with
+positional and keyword batches and ``ModelOutput`` results. Any other forward that does not
+trace is refused with the reason in words and ``stages=[...]`` names that work, or ``dk.split``.
 Like GPipe, the pipeline assumes samples are independent except in BatchNorm: for a traced model
 with ``chunks > 1`` this is checked on ``sample`` (or the first batch), and an op that mixes
 samples across the batch is refused by name (:mod:`~devicekit.modelparallel.per_sample`; an
@@ -51,6 +55,8 @@ Usage::
 
     pipe = dk.Pipeline(model, ["cuda:0", "cuda:1"], chunks=8, sample=batch)
     pipe = dk.Pipeline(resnet, ["cuda:0", "cuda:1"], chunks=8, stages=["conv1", "layer3"])
+    pipe = dk.Pipeline(llama, ["cuda:0", "cuda:1"], chunks=4, sample={"input_ids": ids, "labels": ids})
+    out = pipe(input_ids=ids, labels=ids)              # a CausalLMOutputWithPast; out.loss.backward()
     loss = loss_fn(pipe(batch), target.to(pipe.devices[-1]))
     loss.backward()
     print(pipe.plan)                  # the split
@@ -61,6 +67,7 @@ Usage::
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +78,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+from devicekit.modelparallel.block_pipeline import BlockPipeline
+from devicekit.modelparallel.blocks import block_lists, suggest_stages
 from devicekit.modelparallel.chain import Chain, to_chain
+from devicekit.modelparallel.device_list import parse_devices
 from devicekit.modelparallel.layer_plan import Balance, make_parts, resolve
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.modelparallel.module_units import is_plain_sequential
@@ -84,29 +94,29 @@ from devicekit.modelparallel.recompute import (
     drew_random_numbers,
     generator_states,
 )
+from devicekit.modelparallel.recompute import draws_random_numbers as _draws_random_numbers
+from devicekit.modelparallel.recompute import shares_a_generator as _shares_a_generator
 from devicekit.modelparallel.schedule import bubble_fraction
 from devicekit.modelparallel.state_guard import StateGuard
 from devicekit.modelparallel.stays import StaysOnPlan
+from devicekit.modelparallel.trace import UntraceableError
 from devicekit.modelparallel.worker import StageWorkers
 
 __all__ = ["Pipeline", "PipelineRun"]
 
 
-def _draws_random_numbers(module: nn.Module) -> bool:
-    """Layers that draw from the RNG in training: dropout (every kind), RReLU, attention dropout."""
-    from torch.nn.modules.dropout import _DropoutNd
-
-    if isinstance(module, _DropoutNd):
-        return module.p > 0
-    if isinstance(module, nn.MultiheadAttention):
-        return module.dropout > 0
-    return isinstance(module, nn.RReLU)
+class PipelineCallError(InvalidValueError, TypeError):
+    """A pipeline called with arguments its forward does not take (a TypeError, as Python's own)."""
 
 
-def _shares_a_generator(devices: Sequence[torch.device]) -> bool:
-    """True when two stages draw from one generator: two CPU stages, or two on one GPU."""
-    keys = [d.type if d.type == "cpu" else str(d) for d in devices]
-    return len(set(keys)) < len(keys)
+def _devices_of(devices: Sequence[Any] | Plan) -> list[torch.device]:
+    return devices.devices if isinstance(devices, Plan) else parse_devices(devices)
+
+
+def _from_transformers(model: nn.Module) -> bool:
+    """A Hugging Face model: keyword batches and ModelOutput results, run by hooks, never traced."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
 
 
 def _watched(devices: Sequence[torch.device]) -> list[torch.device | None]:
@@ -194,8 +204,18 @@ class Pipeline(StaysOnPlan):
             model = DeferredBatchNorm.convert(model)
         chain: Chain | None = None
         found: SampleCheck | None = None
+        self._blocks: BlockPipeline | None = None
         if stages is not None or not (is_plain_sequential(model) or isinstance(model, nn.ModuleList)):
-            chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
+            if not _from_transformers(model):
+                try:
+                    chain = to_chain(model, stages)  # the same modules and parameters, as a Sequential of stages
+                except UntraceableError as exc:  # run by hooks when cut points are known
+                    if stages is None and not block_lists(model):
+                        reason = str(exc).split("; pass stages")[0]
+                        raise SplitError(f"{reason}; {suggest_stages(model, _devices_of(devices), sample)}") from None
+            if chain is None:  # its forward runs as it is, cut at module boundaries (block_pipeline)
+                self._build_blocks(model, devices, chunks, balance, sample, optimizer, stages, checkpoint)
+                return
             if chunks > 1 and sample is not None:
                 found = check_per_sample(chain, sample)
         with StateGuard(model) as guard:  # building leaves every buffer as it was
@@ -227,8 +247,48 @@ class Pipeline(StaysOnPlan):
         self._watch = _watched(plan.devices)
         self._draws_random = False  # a part was seen drawing from a generator stages share
 
+    def _build_blocks(self, model: nn.Module, devices: Sequence[Any] | Plan, chunks: int, balance: Balance,
+                      sample: Any, optimizer: str | float | None, stages: Sequence[str] | None,
+                      checkpoint: str) -> None:
+        """A model that does not trace (or one from transformers): its own forward, pipelined by hooks."""
+        if isinstance(devices, Plan):
+            parse_devices(devices.devices)  # a plan made for GPUs this process cannot see is refused here
+        engine = BlockPipeline(model, devices if isinstance(devices, Plan) else parse_devices(devices),
+                               chunks=chunks, balance=balance, sample=sample, optimizer=optimizer, stages=stages)
+        DeferredBatchNorm.commit_all(model, discard=True)  # forget what profiling tracked
+        self._blocks = engine
+        self.module = model
+        self.plan = engine.plan
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.last_run = None
+        self._parts = [nn.Sequential(OrderedDict((n.replace(".", "_"), model.get_submodule(n))
+                                                 for n in (*p.layer_names, *p.tied_names))) for p in engine.plan.parts]
+        self._deferred = [m for m in model.modules() if isinstance(m, DeferredBatchNorm)]
+        self._workers = None
+        if chunks > 1:
+            _refuse_repeated_batchnorm([(n, model.get_submodule(n)) for p in engine.plan.parts for n in p.layer_names])
+
+    def _forward_blocks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self._blocks is not None
+        start = time.perf_counter()
+        try:
+            out, m, busy = self._blocks(args, kwargs, chunks=self.chunks, checkpoint=self.checkpoint,
+                                        training=self.training)
+        except BaseException:
+            for bn in self._deferred:
+                bn.discard()
+            raise
+        if self.training:
+            for bn in self._deferred:
+                bn.commit()
+        self.last_run = PipelineRun(m, len(self.plan.parts), time.perf_counter() - start, tuple(busy))
+        return out
+
     @property
     def parts(self) -> list[nn.Sequential]:
+        """Per device, the layers it runs (views: with ``stages`` or a model run by hooks, call the
+        pipeline itself, since its forward joins the parts)."""
         return list(self._parts)
 
     @property
@@ -304,7 +364,14 @@ class Pipeline(StaysOnPlan):
                 bn.discard()
         return guard.written
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._blocks is not None:
+            return self._forward_blocks(args, kwargs)
+        if kwargs or len(args) != 1:
+            raise PipelineCallError(
+                f"this pipeline runs {type(self.module).__name__}'s traced forward, which takes one batch; call "
+                "pipe(batch) (a tuple or dict of tensors is one batch)")
+        x = args[0]
         if self._unchecked:  # once: a model that mixes samples or writes buffers is refused
             if self._chains:
                 found = check_per_sample(self._chains[0], x)
@@ -340,6 +407,8 @@ class Pipeline(StaysOnPlan):
         A later call starts new ones, so closing is always safe."""
         if self._workers is not None:
             self._workers.close()
+        if self._blocks is not None:
+            self._blocks.close()
 
     def __enter__(self) -> Pipeline:
         return self

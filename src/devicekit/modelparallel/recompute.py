@@ -34,8 +34,8 @@ from torch import nn
 from devicekit.errors import SplitError
 from devicekit.placement.walk import map_tensors
 
-__all__ = ["checkpointed", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop", "generator_states",
-           "drew_random_numbers"]
+__all__ = ["checkpointed", "checkpointed_call", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop",
+           "generator_states", "drew_random_numbers", "draws_random_numbers", "shares_a_generator"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -60,8 +60,12 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
     the first run saw. Any other part that modifies its own input in place (``bar.add_(1)``)
     would be recomputed from the modified input, giving wrong gradients: it is refused on the
     first run, naming ``name``."""
+    return checkpointed_call(module, x, name=name, copy_input=starts_in_place(module))
+
+
+def checkpointed_call(fn: Callable[[Any], Any], x: Any, *, name: str, copy_input: bool = False) -> Any:
+    """``fn(x)`` checkpointed as :func:`checkpointed` does a module (``x`` may be ``(args, kwargs)``)."""
     calls = 0
-    copy_input = starts_in_place(module)
     # An error raised inside torch's non-reentrant checkpoint leaves its generator suspended with
     # saved-tensor hooks pushed on this thread's stack (torch 2.8-2.11); collected later in another
     # thread it pops that thread's stack: "INTERNAL ASSERT FAILED ... SavedTensorHooks.cpp" in an
@@ -79,7 +83,7 @@ def checkpointed(module: nn.Module, x: Any, *, name: str = "a checkpointed part"
             map_tensors(inp, lambda t: versions.append((t, t._version)) or t)
         try:
             # the copy is made inside the checkpointed body: the saved input stays untouched
-            out = module(map_tensors(inp, _copy) if copy_input else inp)
+            out = fn(map_tensors(inp, _copy) if copy_input else inp)
         except BaseException as exc:
             if not first:
                 raise  # recomputation in backward: torch's own error path
@@ -196,3 +200,20 @@ def generator_states(device: torch.device | None) -> list[torch.Tensor]:
 def drew_random_numbers(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
     """True when a generator moved between two :func:`generator_states` (someone drew from it)."""
     return any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def draws_random_numbers(module: nn.Module) -> bool:
+    """Layers that draw from the RNG in training: dropout (every kind), RReLU, attention dropout."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if isinstance(module, _DropoutNd):
+        return module.p > 0
+    if isinstance(module, nn.MultiheadAttention):
+        return module.dropout > 0
+    return isinstance(module, nn.RReLU)
+
+
+def shares_a_generator(devices: list[torch.device]) -> bool:
+    """True when two stages draw from one generator: two CPU stages, or two on one GPU."""
+    keys = [d.type if d.type == "cpu" else str(d) for d in devices]
+    return len(set(keys)) < len(keys)

@@ -38,7 +38,11 @@ from torch.fx._symbolic_trace import _assert_is_none
 from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.state_guard import StateGuard
 
-__all__ = ["trace_module", "grad_mode_enter", "grad_mode_restore", "grad_regions"]
+__all__ = ["trace_module", "grad_mode_enter", "grad_mode_restore", "grad_regions", "UntraceableError"]
+
+
+class UntraceableError(SplitError):
+    """The forward is not a one-batch chain ``torch.fx`` can follow (a pipeline then runs it by hooks)."""
 
 
 def grad_mode_enter(mode: bool | None) -> bool:
@@ -182,6 +186,16 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 140 else text[:137] + "..."
 
 
+def _in_words(error: BaseException) -> str:
+    """What in the model's forward the tracer could not follow, in words rather than its internals."""
+    text = str(error)
+    if "control flow" in text or "iteration" in text or "len(" in text:
+        return "Python control flow on a tensor's value (an if, a loop or len() on a tensor)"
+    if "co_varnames" in text or "positional" in text or "argument" in text:
+        return "its arguments (keyword-only, *args or **kwargs)"
+    return f"its code ({_short(error)})"
+
+
 def _concrete_args(model: nn.Module) -> dict[str, Any]:
     """Defaults of the forward's parameters after the first: a pipeline feeds one batch."""
     params = list(inspect.signature(model.forward).parameters.values())
@@ -193,7 +207,7 @@ def _concrete_args(model: nn.Module) -> dict[str, Any]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         if p.default is inspect.Parameter.empty:
-            raise SplitError(
+            raise UntraceableError(
                 f"cannot pipeline {name}: its forward needs argument {p.name!r} besides the batch; a pipeline "
                 "feeds one batch: take a tuple or dict as the first argument, or use dk.split(model, devices)")
         concrete[p.name] = p.default
@@ -211,7 +225,7 @@ def _drop_specialised(graph: fx.Graph, name: str) -> None:
         while todo:
             user = todo.pop()
             if user.op != "call_function" or user.target not in checks:
-                raise SplitError(f"cannot pipeline {name}: its argument {node.target!r} is used as a value; "
+                raise UntraceableError(f"cannot pipeline {name}: its argument {node.target!r} is used as a value; "
                                  "a pipeline feeds one batch: pass it inside the batch")
             users.append(user)
             todo.extend(user.users)
@@ -240,10 +254,10 @@ def trace_module(model: nn.Module, leaves: set[str] | None = None, opened: set[s
                                  "undoing it; use it as a context manager (with torch.set_grad_enabled(...):)")
     except (SplitError, InvalidValueError):
         raise
-    except Exception as e:  # the tracer's reason, whatever raised it
-        raise SplitError(
-            f"cannot pipeline {name}: its forward does not trace into a chain of stages "
-            f"(torch.fx: {_short(e)}); pass stages=[...] naming submodules to cut before (control flow "
+    except Exception as e:  # the tracer's reason, whatever raised it, in the model's words
+        raise UntraceableError(
+            f"cannot pipeline {name}: its forward does not trace into a chain of stages (torch.fx cannot "
+            f"follow {_in_words(e)}); pass stages=[...] naming submodules to cut before (control flow "
             "inside them is fine), or use dk.split(model, devices), which runs any forward") from None
     _drop_specialised(graph, name)
     graph.lint()

@@ -71,6 +71,8 @@ class Measured:
     group_ties: dict[str, list[str]] = field(default_factory=dict)
     #: unit name -> the other names the same module object is registered under (it runs at each)
     repeats: dict[str, list[str]] = field(default_factory=dict)
+    #: unit name -> how often it ran in one forward on the sample (every unit once without a sample)
+    calls: dict[str, int] = field(default_factory=dict)
 
     def tie_of(self, anchor: str) -> str:
         """The ties holding ``anchor``'s group together, for messages ("" when untied)."""
@@ -96,7 +98,12 @@ def unit_costs(
         units, now = find_units(model, opened=opened, at_least=at_least, sealed=sealed)
         costs, order, called = trace_units(model, units, sample, measure_time=measure_time)
         idle = set()
+        used = {id(t) for i in called for _, t in units[i].tensors()}
         for i, unit in enumerate(units):  # close the innermost opened module of a unit that never ran
+            own = list(unit.module.parameters())
+            if all(id(t) in used for t in own):
+                continue  # no weights of its own (a spare rotary embedding), or only tensors that run elsewhere
+                # (Bart's `shared`, tied to both embeddings): its parent's forward does not use its weights
             holders = [name for name in now if i not in called and unit.name.startswith(f"{name}.")]
             if holders:
                 idle.add(max(holders, key=len))
@@ -124,7 +131,7 @@ def unit_costs(
     repeats = {u.name: others for u in units
                if (others := [n for n in dict.fromkeys(names_of.get(id(u.module), [])) if n != u.name])}
     return Measured(units, sequence, merged, followers, [f"{a} = {b}" for a, b, _ in ties], now, sealed,
-                    group_ties, repeats)
+                    group_ties, repeats, {u.name: called[i] for i, u in enumerate(units)})
 
 
 def _group_cost(members: list[Unit], costs: list[LayerCost]) -> LayerCost:
