@@ -158,5 +158,5 @@ if TYPE_CHECKING:  # static re-exports for type checkers and IDEs
     from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice  # noqa: F401
     from devicekit.hardware.host import Host, host  # noqa: F401
     from devicekit.hardware.inventory import gpus  # noqa: F401
-    from devicekit.selection.result import Selection  # noqa: F401
     from devicekit.selection.choose import select_gpus  # noqa: F401
+    from devicekit.selection.result import Selection  # noqa: F401
