@@ -8,8 +8,11 @@ A list the module keeps, ``self.loss_history``, is then reported under that name
 that grew it and the fix, exactly as ``dk.find_leaks`` reports a plain loop.
 
 A window is ``steps`` measured steps after one baseline step: the first window starts at the
-first step, and with ``every=M`` another starts every ``M`` steps. Each leak of a window is
-issued once as a :class:`devicekit.LeakWarning`.
+first step, and with ``every=M`` another starts every ``M`` steps. The detector is started at
+the baseline (``LeakDetector.start``), so it also searches from the memory (tensors a step left
+alive, walked back to a name: a hook registered in every ``training_step``), exactly as
+``dk.find_leaks`` does; it is stopped when the window ends or training fails, which gives the
+garbage collector back. Each leak of a window is issued once as a :class:`devicekit.LeakWarning`.
 
 Usage::
 
@@ -35,7 +38,8 @@ __all__ = ["LeakWatch", "check_steps"]
 
 log = logging.getLogger("devicekit.integrations")
 
-# the frame that calls detector.step(): its locals are the user's names and nothing else
+# the frame that calls detector.start() and .step(): its locals are the user's names and nothing else
+_START = compile("__devicekit_detector__.start()", "<devicekit leak check>", "exec")
 _STEP = compile("__devicekit_detector__.step()", "<devicekit leak check>", "exec")
 
 
@@ -73,11 +77,12 @@ class LeakWatch:
         """Measure after ``step``; returns the report when this step ends a window."""
         if not self.active(step):
             return None
-        if self._detector is None:
-            self._detector, self._start = LeakDetector(), step
+        code = _STEP
+        if self._detector is None:  # the window's baseline: started, so the memory is searched too
+            self._detector, self._start, code = LeakDetector(), step, _START
         names = {name: value for name, value in holders.items() if value is not None}
         names["__devicekit_detector__"] = self._detector
-        exec(_STEP, {"__builtins__": builtins}, names)
+        exec(code, {"__builtins__": builtins}, names)
         del names
         if step < self._start + self.steps:
             return None

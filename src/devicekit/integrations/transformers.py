@@ -91,6 +91,10 @@ class DeviceKitCallback(TrainerCallback):
         self.monitor.begin(rank=int(args.process_index), device=device)
         if self._trainer is not None:
             self._wrap(self._trainer, "training_step")
+            if callable(getattr(self._trainer, "get_batch_samples", None)):
+                # a failing batch ends train() without on_train_end: the leak window (which pauses
+                # automatic garbage collection while it lasts) must end with it
+                self._wrap(self._trainer, "get_batch_samples")
         optimizer = kwargs.get("optimizer")
         if optimizer is not None:
             self._wrap(optimizer, "step")

@@ -14,11 +14,12 @@ Usage::
 
 Part of the ``memory`` wing: imports ``units``, ``errors``, ``hardware``, ``placement``.
 
-Modules: ``holders`` (what to watch by name), ``survivors`` (tensors that outlive the next
-step), ``reach`` (the named path to a survivor), ``discovery`` (survivors to holders),
-``measure`` (how big), ``trend`` (is it growing), ``lines`` (which line), ``cycles`` (reference
-cycles), ``verdict`` (kind, detail and fix), ``report`` (Leak, LeakReport), ``detector``
-(LeakDetector), ``find`` (find_leaks).
+Modules: ``holders`` (what to watch by name), ``survivors`` (tensors that outlive their step
+by two), ``reach`` (the named path to a survivor), ``discovery`` (survivors to holders),
+``measure`` (how big), ``graphs`` (what an autograd graph keeps, walked once), ``trend`` (is it
+growing), ``lines`` (which line), ``cycles`` (reference cycles), ``hints`` (what the code around
+the line does), ``verdict`` (kind, detail and fix), ``judge`` (series to leaks), ``report``
+(Leak, LeakReport), ``detector`` (LeakDetector), ``find`` (find_leaks).
 """
 
 from __future__ import annotations

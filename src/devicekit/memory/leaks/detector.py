@@ -1,12 +1,20 @@
 """LeakDetector: watch a hand-written training loop for memory that keeps growing.
 
 At each ``ld.step()`` it finds the holders the loop can keep (the calling frame's locals and
-globals, two named steps deep: ``total_loss``, ``model.history``, ``cache``), measures each one
-(tensor bytes, items, autograd nodes), and, with ``cycles=True``, collects the cyclic garbage of
-the step to see tensors held by reference cycles. A holder leaks when it keeps growing after
-``warmup`` steps (see :mod:`~devicekit.memory.leaks.trend`). With ``lines=True`` the holders
-that grew on the last step are followed line by line during the next one
-(:mod:`~devicekit.memory.leaks.lines`), which names the line that extended them.
+globals, and the closure cells and globals of the step functions among them, named as
+``dk.find_leaks`` names them; two named steps deep: ``total_loss``, ``model.history``,
+``cache``, ``self.last_error``), measures each one (the storage it keeps alive, items, autograd
+nodes; :mod:`~devicekit.memory.leaks.measure`), and, with ``cycles=True``, collects the cyclic
+garbage of the step to see tensors held by reference cycles. A holder leaks when it keeps
+growing after ``warmup`` steps (see :mod:`~devicekit.memory.leaks.trend` and
+:mod:`~devicekit.memory.leaks.judge`). With ``lines=True`` a holder that grew and has no line
+yet is followed line by line during the next step, three steps at most
+(:mod:`~devicekit.memory.leaks.lines`), which names the line that extended it.
+
+What a step costs stays flat while a leak grows: a list of tensors is measured by what was
+appended since the last step, autograd graphs walked at the last step are merged rather than
+walked again (:mod:`~devicekit.memory.leaks.graphs`), the named walk runs on the first steps
+and then every few, and the tracer stops once it has answered.
 
 Usage::
 
@@ -22,8 +30,11 @@ Usage::
     print(ld.report())                    # total_loss: autograd graph kept alive, line 7, fix: .item()
 
 Holders no name reaches are found from the memory: the tensors a step created that are still
-alive after the next step are traced back to the nearest named thing (a module's hook dict,
-``opt.param_groups``, a class attribute, an ``lru_cache``; :mod:`~devicekit.memory.leaks.discovery`).
+alive two steps later are traced back to the nearest named thing (a module's hook dict,
+``opt.param_groups``, a class attribute, an ``lru_cache``, an exception chain, suspended
+generators; :mod:`~devicekit.memory.leaks.discovery`). Tensors that survive every step with no
+name found are a leak too (holder ``(no holder found)``, ``report.ok`` False), reported with what
+the search went through.
 
 From a framework callback, which does not own the loop: ``ld.start()`` when training starts,
 ``ld.step()`` after each training step, ``ld.report()`` then ``ld.stop()`` at the end (and on an
@@ -32,43 +43,42 @@ exception); ``watch=`` names the model and optimizer the callback's frame does n
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import os
+import functools
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.leaks.cycles import CycleSample, CycleWatch
-from devicekit.memory.leaks.discovery import HolderDiscovery, code_roots
+from devicekit.memory.leaks.discovery import HolderDiscovery, closure_roots, code_roots
+from devicekit.memory.leaks.graphs import GraphCache
 from devicekit.memory.leaks.holders import Holder, discover
-from devicekit.memory.leaks.lines import LineTracer, fingerprint
+from devicekit.memory.leaks.judge import (
+    HolderFacts,
+    cycle_leak,
+    holder_leak,
+    most_specific,
+    unnamed_leak,
+)
+from devicekit.memory.leaks.lines import LineTracer
 from devicekit.memory.leaks.measure import Size, measure
-from devicekit.memory.leaks.report import Leak, LeakReport
-from devicekit.memory.leaks.trend import growth, slope
-from devicekit.memory.leaks.verdict import detail_of, fix_for, kind_of, pattern_of, via_of
+from devicekit.memory.leaks.report import LeakReport
+from devicekit.memory.leaks.resume import Chain, Resumable, measure_appended, measure_chain
+from devicekit.memory.leaks.trend import growth
 from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, Root, frame_roots
 from devicekit.units import format_size
 
 __all__ = ["LeakDetector"]
 
-_REMEASURE_BELOW = 256
-_SCALAR_BYTES = 16  # bytes per one-element tensor at most for "a log of scalars" (complex128)
-
-
-class HolderFacts(NamedTuple):
-    """What the verdict needs to know of a holder, kept without the object itself."""
-
-    #: the kind of root the holder was reached from (a local of the step, a global, a watched object)
-    origin: str
-    #: reached through an ``nn.Module``'s attributes
-    in_module: bool
-    #: the holder is itself a tensor (not a container of them)
-    is_tensor: bool
+_REMEASURE_BELOW = 16  # containers this long keep their size while they hold the same objects
+_DISCOVER_EVERY = 4  # steps between walks for named holders (after the first two)
+_TRACE_STEPS = 3  # steps the line tracer follows one holder that grew, at most
 
 
 class LeakDetector:
@@ -94,6 +104,7 @@ class LeakDetector:
         self.lines = lines
         self.cycles = cycles
         self._extra = [Root(name, "watch", (lambda v=value: v)) for name, value in (watch or {}).items()]
+        self._watch_names = tuple(watch or ())
         self._roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_roots
         self._series: dict[str, list[tuple[int, Size]]] = {}
         # path -> what the verdict needs of a holder, without the object itself
@@ -105,6 +116,14 @@ class LeakDetector:
         self._notes: list[str] = []
         self._allocated: list[tuple[int, int]] = []
         self._big: dict[str, tuple[Any, Size, frozenset[int]]] = {}
+        self._resume: dict[str, Resumable] = {}  # lists of tensors, measured as they grow
+        self._chains: dict[str, Chain] = {}  # exceptions and tensors, measured as chains grow
+        self._trace_count: dict[str, int] = {}  # steps traced for a holder's line
+        self._found: dict[str, Holder] | None = None  # the named holders, as last discovered
+        self._graphs = GraphCache()  # autograd graphs walked at the last step
+        self._frame: list[types.FrameType | None] = [None]  # the latest step()'s frame
+        self._bound: dict[str, Holder] = {}  # holders found from the memory, reading _frame
+        self._whole: set[str] = set()  # lists that held something else once
         self._discovery = HolderDiscovery()
         # path -> (id of its value, ids of the containers inside it), as last measured
         self._inside: dict[str, tuple[int, set[int]]] = {}
@@ -141,6 +160,12 @@ class LeakDetector:
         self._extra = []
         self._discovery.clear()
         self._big.clear()
+        self._found = None
+        self._graphs.clear()
+        self._frame[0] = None
+        self._bound.clear()
+        self._resume.clear()
+        self._chains.clear()
         self._stopped = True
 
     def step(self) -> None:
@@ -159,6 +184,8 @@ class LeakDetector:
     # -- measurement -----------------------------------------------------------------------
     def _frame_roots(self, frame: types.FrameType | None) -> list[Root]:
         roots = frame_roots(frame) if frame is not None else []
+        if frame is not None:  # a step function's closure cells, named as find_leaks names them
+            roots += closure_roots(frame.f_locals, {root.name for root in roots} | set(self._watch_names))
         return roots + self._extra
 
     @staticmethod
@@ -192,10 +219,19 @@ class LeakDetector:
                 cycle_types = (found.holder_type,)
         survivors = self._discovery.scan(step) if self._cycle_watch is not None else []
         roots = self._roots_of(frame)
-        holders = discover(roots)
+        if self._found is None or step <= 2 or step % _DISCOVER_EVERY == 0:
+            # the named walk costs more than measuring: every few steps (a holder made in between
+            # is found from the memory), kept without the frame it was read from
+            found = discover(roots)
+            self._found = found if frame is None else {path: self._in_frame(h) for path, h in found.items()}
+        if frame is not None:
+            self._frame[0] = frame  # what holders under a local name read (see _in_frame)
+        holders = dict(self._found)
         for path, holder in self._discovery.holders.items():
             if path not in holders:
-                holders[path] = _in_frame(holder, frame)
+                if frame is not None and path not in self._bound:
+                    self._bound[path] = self._in_frame(holder)
+                holders[path] = self._bound.get(path, holder)
         grew: dict[str, Holder] = {}
         seen: set[int] = set()
         held: set[int] = set()
@@ -203,17 +239,43 @@ class LeakDetector:
         unexplained = [t for t in survivors if id(t) not in seen]
         del survivors
         if unexplained:
-            new = self._discovery.search(unexplained, roots + self._code_roots_of(frame), step, held)
+            new = self._discovery.search(unexplained, roots + self._code_roots_of(frame), step, held,
+                                         fixed_roots=frame is None)
             self._record(new, step, hits, grew, seen, held)
+            self._refresh(holders, self._discovery.through_held, step, hits, grew, seen)
         del unexplained
+        self._graphs.sweep()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._allocated.append((step, torch.cuda.memory_allocated()))
+        # lines are traced only for what grew and has no line yet, a few steps at most each: the
+        # tracer costs a leaking step most of what the check costs, so it stops once it has answered
+        grew = {path: h for path, h in grew.items() if path not in self._line_of and self._traced(path)}
+        cycle_types = tuple(t for t in cycle_types if f"type:{t.__name__}" not in self._line_of
+                            and self._traced(f"type:{t.__name__}"))
+        self._tracer.watch(grew)  # also when empty: the last step's holders may read an old frame
+        self._tracer.watch_types(cycle_types)
         if self.lines and (grew or cycle_types):
-            self._tracer.watch(grew)
-            self._tracer.watch_types(cycle_types)
             self._tracer.start(frame)
             if self._tracer.blocked and self._tracer.blocked not in self._notes:
                 self._notes.append(self._tracer.blocked)
+
+    def _refresh(self, holders: dict[str, Holder], ids: set[int], step: int, hits: dict[str, tuple[str, int]],
+                 grew: dict[str, Holder], seen: set[int]) -> None:
+        """Measure afresh the holders a survivor was found in whose size came from a cache."""
+        stale = {path: holder for path, holder in holders.items() if path in self._big and id(holder.get()) in ids}
+        for path in stale:
+            del self._big[path]
+            series = self._series[path]
+            if series and series[-1][0] == step:
+                series.pop()
+        if stale:
+            self._record(stale, step, hits, grew, seen, set())
+
+    def _traced(self, key: str) -> bool:
+        """Count one more traced step for ``key``; False once it had :data:`_TRACE_STEPS`."""
+        count = self._trace_count.get(key, 0)
+        self._trace_count[key] = count + 1
+        return count < _TRACE_STEPS
 
     def _record(self, holders: dict[str, Holder], step: int, hits: dict[str, tuple[str, int]],
                 grew: dict[str, Holder], seen: set[int], held: set[int]) -> None:
@@ -233,21 +295,45 @@ class LeakDetector:
             series.append((step, size))
 
     def _measure(self, path: str, value: Any, seen: set[int]) -> Size:
-        """Measure; a big container whose identity and length did not change keeps its last size
-        (walking a 10,000-item dataset list every step would cost more than the step)."""
+        """Measure; a list of tensors is measured by what was appended since the last step (its
+        old items were walked then), an exception or tensor chain by the links put before its
+        last head (:mod:`~devicekit.memory.leaks.resume`); a container that holds the same
+        objects as at its last measurement keeps its last size (walking a 10,000-item dataset
+        list every step would cost more than the step; growth inside one of its items is found
+        from the memory, which then has it measured afresh: ``_refresh``)."""
+        if (isinstance(value, BaseException) or issubclass(type(value), torch.Tensor)) and path not in self._whole:
+            size, chain = measure_chain(value, self._chains.get(path), cache=self._graphs)
+            if chain is not None:
+                self._chains[path] = chain
+                seen.update(chain.tally.seen or ())
+                self._inside[path] = (id(value), set())
+                return size
+        self._chains.pop(path, None)  # it holds something else now: let the old chain go
+        if type(value) in (list, collections.deque) and path not in self._whole:
+            size, state = measure_appended(value, self._resume.get(path), cache=self._graphs)
+            if state is not None:
+                self._resume[path] = state
+                seen.update(state.tally.seen or ())
+                self._inside[path] = (id(value), state.tally.containers - {id(value)})
+                return size
+            self._resume.pop(path, None)
+            self._whole.add(path)  # it holds something else: measured whole from now on
         if not isinstance(value, CONTAINERS) or len(value) < _REMEASURE_BELOW:
             inside: set[int] = set()
-            size = measure(value, seen=seen, inside=inside)
+            size = measure(value, seen=seen, inside=inside, cache=self._graphs)
             inside.discard(id(value))
             self._inside[path] = (id(value), inside)
             return size
-        print_ = fingerprint(value)
+        print_ = _content_print(value)
         last = self._big.get(path)
         if last is not None and last[0] == print_:
             seen.update(last[2])
             return last[1]
         ids: set[int] = set()
-        size = measure(value, seen=ids)
+        inside = set()
+        size = measure(value, seen=ids, inside=inside, cache=self._graphs)
+        inside.discard(id(value))
+        self._inside[path] = (id(value), inside)
         seen.update(ids)
         self._big[path] = (print_, size, frozenset(ids))
         return size
@@ -259,21 +345,30 @@ class LeakDetector:
         if self._tracer.active:
             self._tracer.check()
             self._tracer.stop()
-        leaks = [leak for path in self._series if (leak := self._holder_leak(path)) is not None]
-        leaks = _most_specific(leaks, self._inside)
-        cycle = self._cycle_leak()
+        leaks = []
+        for path, series in self._series.items():
+            via, is_lru = self._discovery.pattern(path)
+            post = [size for step, size in series if step >= self.warmup]
+            leak = holder_leak(path, post, self._info[path], self._line_of.get(path, ("", 0)), via=via, is_lru=is_lru)
+            if leak is not None:
+                leaks.append(leak)
+        leaks = most_specific(leaks, self._inside)
+        cycle = cycle_leak([sample for step, sample in self._cycles if step > self.warmup], self._cycle_line())
         if cycle is not None:
             leaks.append(cycle)
-        leaks.sort(key=lambda leak: -leak.bytes_per_step)
-        minor = [leak for leak in leaks if leak.severity == "minor"]
-        leaks = [leak for leak in leaks if leak.severity != "minor"]
         notes = list(self._notes)
         if self._discovery.survivors.disabled:
             notes.append(self._discovery.survivors.disabled)
-        unnamed = growth(_cumulative(self._discovery.unnamed_bytes, self.warmup, self._step))
+        series, what = self._discovery.unnamed_series(self.warmup, self._step)
+        unnamed = unnamed_leak(series, what, self._discovery.roots_searched)
         if unnamed is not None:
+            leaks.append(unnamed)
             notes.append(f"tensors created every step survive with no holder found "
-                         f"(+{format_size(unnamed)}/step): look at dk.memory.census() between steps")
+                         f"(+{format_size(unnamed.bytes_per_step)}/step, {what}): look at dk.memory.census() "
+                         f"between steps")
+        leaks.sort(key=lambda leak: -leak.bytes_per_step)
+        minor = [leak for leak in leaks if leak.severity == "minor"]
+        leaks = [leak for leak in leaks if leak.severity != "minor"]
         if self._step - self.warmup < 2:
             notes.append(f"only {self._step} step(s) measured with warmup={self.warmup}: "
                          f"a leak needs at least 2 steps after warm-up to show")
@@ -292,90 +387,32 @@ class LeakDetector:
                          f"between steps")
         return LeakReport(leaks, self._step, self.warmup, len(self._series), self.lines, notes, minor)
 
-    def _holder_leak(self, path: str) -> Leak | None:
-        post = [size for step, size in self._series[path] if step >= self.warmup]
-        rate = growth([s.effective for s in post])
-        if rate is None:
-            return None
-        facts = self._info[path]
-        nodes_rate = slope([s.nodes for s in post])
-        via, is_lru = self._discovery.pattern(path)
-        via = via or via_of(post[-1].through)
-        kind = pattern_of(path, via=via, origin=facts.origin, is_lru=is_lru) or kind_of(
-            in_module=facts.in_module, is_tensor=facts.is_tensor, nodes_grow=nodes_rate > 0)
-        last = post[-1]
-        filename, lineno = self._line_of.get(path, ("", 0))
-        items_rate = slope([s.items for s in post])
-        # a log of detached scalars (`losses.append(loss.detach().cpu())`): a few bytes per item
-        scalars_rate = slope([s.scalars for s in post])
-        minor = (nodes_rate <= 0 and not last.graph_alive and scalars_rate >= 1
-                 and scalars_rate >= slope([s.tensors for s in post]) and rate / scalars_rate <= _SCALAR_BYTES)
-        where = f"{os.path.basename(filename)}:{lineno}" if lineno else ""
-        fix = fix_for(kind, path, graph_alive=last.graph_alive, has_graph=last.nodes > 0)
-        if minor:
-            fix = (f"`{path}` grows by one scalar a step: fine for a log; keep Python numbers "
-                   f"(`.item()`) or bound it if the run is very long")
-        return Leak(
-            holder=path, kind=kind, filename=filename, lineno=lineno, bytes_per_step=round(rate),
-            fix=fix, origin=facts.origin, total_bytes=last.effective,
-            items_per_step=round(items_rate, 2), nodes_per_step=round(nodes_rate, 2),
-            estimated=last.nodes > 0 or last.estimated, series=[s.effective for s in post],
-            detail=detail_of(kind, via=via, where=where), severity="minor" if minor else "leak",
-        )
 
-    def _cycle_leak(self) -> Leak | None:
-        post = [sample for step, sample in self._cycles if step > self.warmup]
-        with_tensors = [s for s in post if s.bytes > 0]
-        if len(post) < 2 or not post[-1].bytes or len(with_tensors) < max(2, 0.75 * len(post)):
-            return None
-        holder = max({s.holder for s in with_tensors if s.holder},
-                     key=lambda h: sum(s.holder == h for s in with_tensors))
-        holder_type = next((s.holder_type for s in with_tensors if s.holder == holder), None)
-        where = self._line_of.get(f"type:{holder_type.__name__}" if holder_type else "", ("", 0))
-        rate = round(sum(s.bytes for s in with_tensors) / len(post))
-        return Leak(holder=holder, kind="reference_cycle", filename=where[0], lineno=where[1],
-                    bytes_per_step=rate, fix=fix_for("reference_cycle", holder, graph_alive=False,
-                                                     has_graph=False),
-                    origin="cycle", total_bytes=sum(s.bytes for s in with_tensors),
-                    series=[s.bytes for s in post])
+    def _in_frame(self, holder: Holder) -> Holder:
+        """A holder under a local name reads the frame of the latest ``step()`` (a callback's
+        ``step()`` runs in a new frame each time: only the latest is kept, by the detector)."""
+        if holder.origin != "local":
+            return holder
+        root = Root(holder.root.name, "local", functools.partial(_read_local, self._frame, holder.root.name))
+        return dataclasses.replace(holder, root=root)
+
+    def _cycle_line(self) -> tuple[str, int]:
+        """The line that made the most common cycle holder's objects, if traced."""
+        held = [s for step, s in self._cycles if step > self.warmup and s.bytes > 0 and s.holder]
+        if not held:
+            return ("", 0)
+        holder = max({s.holder for s in held}, key=lambda h: sum(s.holder == h for s in held))
+        holder_type = next((s.holder_type for s in held if s.holder == holder), None)
+        return self._line_of.get(f"type:{holder_type.__name__}" if holder_type else "", ("", 0))
 
 
-def _in_frame(holder: Holder, frame: types.FrameType | None) -> Holder:
-    """A holder found under a local name is read from the current frame (a callback's
-    ``step()`` runs in a new frame each time; the old one must not be kept alive)."""
-    if holder.origin != "local" or frame is None:
-        return holder
-    name = holder.root.name
-    root = Root(name, "local", lambda: frame.f_locals.get(name, MISSING))
-    return dataclasses.replace(holder, root=root)
+def _content_print(value: Any) -> tuple[int, int, int]:
+    """Identity, length and the identities of the items: a container whose print did not change
+    holds the same objects (what grows inside one of them is found from the memory)."""
+    items = value.values() if isinstance(value, dict) else value
+    return (id(value), len(value), hash(tuple(map(id, items))))
 
 
-def _cumulative(points: list[tuple[int, int]], warmup: int, last: int) -> list[int]:
-    """Running total of unnamed survivor bytes per step after warm-up (0 on steps with none)."""
-    per_step = dict(points)
-    total, series = 0, []
-    for step in range(max(warmup, 2), last + 1):
-        total += per_step.get(step, 0)
-        series.append(total)
-    return series
-
-
-def _most_specific(leaks: list[Leak], inside: dict[str, tuple[int, set[int]]]) -> list[Leak]:
-    """Drop ``stats`` when ``stats['losses']`` (or another holder measured inside it) explains its
-    growth; but a holder that gains entries every step (a hook dict, ``param_groups``) is the
-    cause, not what one of its entries holds."""
-    def contains(outer: Leak, inner: Leak) -> bool:
-        if inner.holder.startswith(outer.holder) and inner.holder[len(outer.holder):][:1] in (".", "["):
-            return True
-        outer_id, ids = inside.get(outer.holder, (0, set()))
-        inner_id = inside.get(inner.holder, (-1, set()))[0]
-        return inner_id in ids and inner_id != outer_id
-
-    kept = []
-    for leak in leaks:
-        if any(o is not leak and o.items_per_step >= 1 and contains(o, leak) for o in leaks):
-            continue
-        inner = [o for o in leaks if o is not leak and contains(leak, o)]
-        if leak.items_per_step >= 1 or not any(o.bytes_per_step * 2 >= leak.bytes_per_step for o in inner):
-            kept.append(leak)
-    return kept
+def _read_local(current: list[types.FrameType | None], name: str) -> Any:
+    frame = current[0]
+    return MISSING if frame is None else frame.f_locals.get(name, MISSING)

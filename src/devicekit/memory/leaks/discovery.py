@@ -1,14 +1,19 @@
 """From surviving memory to named holders: the leak finder's search for what keeps a tensor.
 
 Each step, :class:`~devicekit.memory.leaks.survivors.SurvivorWatch` lists the tensors that
-outlived the step after the one that made them. Those already inside a measured holder are
+outlived the two steps after the one that made them. Those already inside a measured holder are
 explained; for the rest :func:`~devicekit.memory.leaks.reach.find_paths` finds the shortest
-named path from the loop's variables, and every container on that path that can be re-read by
-name (``model.1._forward_hooks``, ``MyModel.cache``, ``opt.param_groups``, ``pending_logs``, an
-``lru_cache``) becomes a holder, measured from then on like the ones named up front. Which of
-them leaks is left to the measurement: only the container that gains something every step grows.
-Searches are bounded: a kind of tensor (dtype, shape, autograd state) found nowhere is searched
-again at most every few steps, and the report says how much such unnamed memory grows.
+named path from the loop's variables, and every container (or exception) on that path that can
+be re-read by name (``model.1._forward_hooks``, ``MyModel.cache``, ``opt.param_groups``,
+``pending_logs``, an ``lru_cache``, ``self.last_error``) becomes a holder, measured from then on
+like the ones named up front. Which of them leaks is left to the measurement: only the container
+that gains something every step grows. Searches are bounded: a kind of tensor (dtype, shape,
+autograd state) found nowhere is searched again at most every few steps; such unnamed survivors
+are followed by weak reference, and those still alive at the report are what
+:meth:`HolderDiscovery.unnamed_series` counts (a leak of its own: no holder found).
+
+:func:`closure_roots` gives a hand-written loop the names ``find_leaks`` reads from the step
+function itself: its closure cells and the globals it uses.
 
 Usage::
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -30,10 +36,10 @@ from devicekit.memory.leaks.holders import Holder
 from devicekit.memory.leaks.reach import LRU_TYPE, Edge, find_paths, is_user_class
 from devicekit.memory.leaks.survivors import SurvivorWatch, signature
 from devicekit.memory.paths import CONTAINERS
-from devicekit.memory.roots import MISSING, Root, is_user_file
+from devicekit.memory.roots import MISSING, Root, function_roots, is_user_file
 from devicekit.memory.tensors import total_bytes
 
-__all__ = ["HolderDiscovery", "code_roots"]
+__all__ = ["HolderDiscovery", "closure_roots", "code_roots"]
 
 _RETRY_EVERY = 3  # steps between searches for one kind of tensor
 
@@ -53,6 +59,22 @@ def code_roots(namespace: dict[str, Any]) -> list[Root]:
     return roots
 
 
+def closure_roots(namespace: dict[str, Any], taken: set[str]) -> list[Root]:
+    """What the user functions in ``namespace`` can keep across calls (their closure cells and
+    the globals they name), by the names ``find_leaks`` gives them from the step function
+    itself (``running``, not ``step.<closure running>``): a hand-written loop over the same step
+    gives the same answer. Names in ``taken`` (the loop's own variables) win."""
+    roots = []
+    for value in list(namespace.values()):
+        if type(value) is not types.FunctionType or not is_user_file(value.__code__.co_filename):
+            continue
+        for root in function_roots(value):
+            if root.name not in taken:
+                taken.add(root.name)
+                roots.append(root)
+    return roots
+
+
 class HolderDiscovery:
     """See the module docstring."""
 
@@ -63,7 +85,11 @@ class HolderDiscovery:
         self._lru: set[str] = set()
         self._searched: dict[tuple[Any, ...], int] = {}  # signature -> last step searched
         self._failed: set[tuple[Any, ...]] = set()  # signatures a search found no path to
-        self.unnamed_bytes: list[tuple[int, int]] = []  # (step, bytes of survivors found nowhere)
+        # survivors found nowhere, by weak reference: (step, tensor); judged by what is still alive
+        self._unnamed: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        self.roots_searched = 0
+        #: ids of measured holders a survivor was found in (the last search's): re-measure them
+        self.through_held: set[int] = set()
         self.searches = 0
 
     def scan(self, step: int) -> list[torch.Tensor]:
@@ -74,8 +100,10 @@ class HolderDiscovery:
         return self._via.get(path, ""), path in self._lru
 
     def search(self, unexplained: list[torch.Tensor], roots: list[Root], step: int,
-               held: set[int]) -> dict[str, Holder]:
-        """Name the holders of ``unexplained`` survivors; ``held``: ids of values already measured."""
+               held: set[int], *, fixed_roots: bool = False) -> dict[str, Holder]:
+        """Name the holders of ``unexplained`` survivors; ``held``: ids of values already measured;
+        ``fixed_roots``: the roots stay valid (``find_leaks``), so holders under a local name
+        keep theirs (a loop's frame roots do not: a callback's frame is new every step)."""
         targets: dict[int, torch.Tensor] = {}
         unnamed: list[torch.Tensor] = []
         for tensor in unexplained:
@@ -91,17 +119,20 @@ class HolderDiscovery:
             self._note_unnamed(unnamed, step)
             return {}
         self.searches += 1
+        self.through_held = set()
+        self.roots_searched = max(self.roots_searched, len(roots))
         paths = find_paths(targets, roots)
         new: dict[str, Holder] = {}
         for root, edges in paths.values():
             for path, holder, via in _candidates(root, edges):
                 value = holder.get()
                 if path in self.holders or id(value) in held:
+                    self.through_held.add(id(value))  # measured from a cache: measure it afresh
                     continue
                 held.add(id(value))
                 new[path] = holder
                 # a local name is kept without its frame; the detector reads it from the current one
-                self.holders[path] = holder if holder.origin != "local" else dataclasses.replace(
+                self.holders[path] = holder if holder.origin != "local" or fixed_roots else dataclasses.replace(
                     holder, root=Root(root.name, "local", _gone))
                 self._via[path] = via
                 if isinstance(value, LRU_TYPE):
@@ -116,8 +147,39 @@ class HolderDiscovery:
         return new
 
     def _note_unnamed(self, tensors: list[torch.Tensor], step: int) -> None:
-        if tensors:
-            self.unnamed_bytes.append((step, total_bytes(tensors)))
+        for tensor in tensors:
+            try:
+                self._unnamed.append((step, weakref.ref(tensor)))
+            except TypeError:  # a tensor subclass without weak references
+                continue
+
+    def unnamed_series(self, warmup: int, last: int) -> tuple[list[int], str]:
+        """Bytes of unnamed survivors still alive now, summed over the steps that left them,
+        after warm-up; and what they are (dtype, shape, autograd state of the most common kind).
+        A survivor that died since is no leak."""
+        alive: dict[int, list[torch.Tensor]] = {}
+        for step, ref in self._unnamed:
+            tensor = ref()
+            if tensor is not None and warmup <= step <= last:
+                alive.setdefault(step, []).append(tensor)
+        total, series = 0, []
+        for step in range(max(warmup, 2), last + 1):
+            total += total_bytes(alive.get(step, []))
+            series.append(total)
+        kinds: dict[tuple[Any, ...], int] = {}
+        for tensors in alive.values():
+            for tensor in tensors:
+                kinds[signature(tensor)] = kinds.get(signature(tensor), 0) + 1
+        del alive
+        if not kinds:
+            return series, ""
+        dtype, shape, device, requires_grad, grad_fn = max(kinds, key=kinds.__getitem__)
+        what = f"{str(dtype).replace('torch.', '')} {list(shape)} tensors on {device}"
+        if grad_fn:
+            what += f" with grad_fn {grad_fn}"
+        elif requires_grad:
+            what += " that require grad"
+        return series, what
 
     def clear(self) -> None:
         """Drop every reference to the program's objects (what was learned about paths stays)."""
@@ -144,7 +206,7 @@ def _candidates(root: Root, edges: list[Edge]) -> list[tuple[str, Holder, str]]:
                 steps.append(step)
         if not resolvable:
             break
-        if isinstance(value, (*CONTAINERS, LRU_TYPE)):
+        if isinstance(value, (*CONTAINERS, LRU_TYPE, BaseException)):
             path = root.name + "".join(edge.label for edge in edges[:index])
             in_module = index > 0 and isinstance(values[index - 1], torch.nn.Module)
             via = "".join(edge.label for edge in edges[index:])

@@ -2,8 +2,8 @@
 
 From the roots of a loop (the locals and globals of the frame that calls ``ld.step()``, or the
 globals, closure cells and bound ``self`` of a step function) :func:`discover` walks two named
-steps deep (``model.history``, ``stats['losses']``, ``self.cache``) and keeps tensors and
-growable containers. One object reachable under several names is kept once, under the most
+steps deep (``model.history``, ``stats['losses']``, ``self.cache``) and keeps tensors, growable
+containers and exceptions (``self.last_error``: a chain of them can grow behind one name). One object reachable under several names is kept once, under the most
 telling name: an attribute of a module first, then the shortest path.
 
 Usage::
@@ -28,6 +28,8 @@ from devicekit.memory.roots import MISSING, Root, is_plain_value
 
 __all__ = ["Holder", "discover"]
 
+#: what can be a holder: tensors, containers, and an exception (its traceback keeps frames)
+_HOLDS = (torch.Tensor, *CONTAINERS, BaseException)
 _ORIGIN_RANK = {"watch": -1, "local": 0, "closure": 1, "self": 2, "global": 3}  # watch=: named by the user
 
 
@@ -63,7 +65,7 @@ def discover(roots: Iterable[Root], *, max_depth: int = 2) -> dict[str, Holder]:
         for found in walk(root.name, value, max_depth=max_depth):
             obj = found.value
             cls = type(obj)  # not isinstance: a dead weak proxy raises on __class__
-            if not issubclass(cls, (torch.Tensor, *CONTAINERS)) or issubclass(cls, torch.nn.Parameter):
+            if not issubclass(cls, _HOLDS) or issubclass(cls, torch.nn.Parameter):
                 continue
             holder = Holder(found.path, root.origin, found.in_module, root, found.steps)
             rank = (0 if found.in_module else 1, _ORIGIN_RANK.get(root.origin, 9), len(found.steps))

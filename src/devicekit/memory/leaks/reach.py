@@ -4,8 +4,10 @@
 function's closure, ``watch=`` objects) through every kind of reference that keeps a tensor
 alive in a training script: attributes, container items, submodules, module hook dicts and
 ``_buffers``, optimizer ``param_groups`` and ``state``, functions' closure cells and default
-arguments, ``lru_cache`` results, bound methods and ``functools.partial``, exceptions and their
-traceback frames, and user-defined classes (class attributes), reached from their instances.
+arguments, ``lru_cache`` results, bound methods and ``functools.partial``, exceptions (their
+traceback frames, ``__cause__`` and ``__context__``), suspended generators' and coroutines'
+frames, tensors' own attributes (``out.prev``), the tensor behind a numpy array made by
+``.numpy()``, and user-defined classes (class attributes), reached from their instances.
 The shortest path to each target wins; a search is bounded by ``budget`` objects.
 
 Each :class:`Edge` knows how to be followed again (``step``, for
@@ -38,12 +40,14 @@ import torch
 from devicekit.memory.paths import MODULE_INTERNALS
 from devicekit.memory.roots import MISSING, Root, is_user_file
 
-__all__ = ["Edge", "find_paths", "is_user_class", "HOOK_DICTS", "LRU_TYPE"]
+__all__ = ["Edge", "find_paths", "is_user_class", "kept_frames", "numpy_base", "HOOK_DICTS", "LRU_TYPE", "GENERATORS"]
 
 #: module attributes that hold hooks: a hook registered every step grows one of these
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks")
 LRU_TYPE = type(functools.lru_cache(maxsize=None)(lambda: None))
+#: suspended generators and coroutines keep their frame, and so its locals, alive
+GENERATORS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 _LIBRARY_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, str, bytes, int,
                   float, complex, bool, type(None), range)
 
@@ -83,9 +87,40 @@ def _is_user_function(fn: Any) -> bool:
     return code is not None and is_user_file(code.co_filename)
 
 
+def numpy_base(value: Any) -> Any:
+    """The object a numpy array's memory belongs to (the tensor behind ``t.numpy()``, the array
+    a view was taken of); None for anything else, and for an array that owns its memory."""
+    cls = type(value)
+    if cls.__name__ != "ndarray" or cls.__module__ != "numpy":
+        return None
+    return value.base
+
+
+def kept_frames(frame: types.FrameType | None) -> list[types.FrameType]:
+    """``frame`` and the callers it keeps alive: a finished frame held by a traceback keeps its
+    ``f_back`` chain (a framework's loop frames, with their locals) up to the first frame that
+    is still running (those are alive anyway)."""
+    running = set()
+    current: types.FrameType | None = sys._getframe(1)
+    while current is not None:
+        running.add(id(current))
+        current = current.f_back
+    kept = []
+    while frame is not None and id(frame) not in running and len(kept) < 64:
+        kept.append(frame)
+        frame = frame.f_back
+    return kept
+
+
+def _frame_of(gen: Any) -> types.FrameType | None:
+    return getattr(gen, "gi_frame", None) or getattr(gen, "cr_frame", None) or getattr(gen, "ag_frame", None)
+
+
 def children(obj: Any, max_items: int = 10_000) -> Iterator[Edge]:
     """The named references of ``obj`` that can keep a tensor alive."""
     if isinstance(obj, torch.Tensor):
+        for key, value in list(getattr(obj, "__dict__", {}).items()):  # `out.prev = last_out`
+            yield Edge(f".{key}", ("attr", key), value)
         return
     if isinstance(obj, torch.nn.Module):
         yield from _module_children(obj)
@@ -124,21 +159,38 @@ def children(obj: Any, max_items: int = 10_000) -> Iterator[Edge]:
     elif isinstance(obj, types.TracebackType):
         yield Edge(".tb_frame", None, obj.tb_frame)
         yield Edge(".tb_next", None, obj.tb_next)
+        for index, frame in enumerate(kept_frames(obj.tb_frame)[1:], 1):  # callers, framework's too
+            yield Edge(".tb_frame" + ".f_back" * index, None, _Locals(frame))
+    elif isinstance(obj, GENERATORS):
+        frame = _frame_of(obj)
+        if frame is not None:
+            yield Edge(".gi_frame", None, frame)
     elif isinstance(obj, types.FrameType):
         if is_user_file(obj.f_code.co_filename):
             for key, value in list(obj.f_locals.items()):
                 yield Edge(f".f_locals[{key!r}]", None, value)
+    elif isinstance(obj, _Locals):
+        for key, value in list(obj.frame.f_locals.items()):
+            yield Edge(f".f_locals[{key!r}]", None, value)
     elif isinstance(obj, type):
         if is_user_class(obj):
             for key, value in list(vars(obj).items()):
                 if not key.startswith("__"):
                     yield Edge(f".{key}", ("attr", key), value)
+    elif (base := numpy_base(obj)) is not None:
+        yield Edge(".base", None, base)
     else:
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict):
             for key, value in list(attrs.items()):
                 if isinstance(key, str) and not key.startswith("__"):
                     yield Edge(f".{key}", ("attr", key), value)
+
+
+class _Locals(NamedTuple):
+    """A finished frame whose locals are followed even in library code (kept by a traceback)."""
+
+    frame: types.FrameType
 
 
 def _module_children(module: torch.nn.Module) -> Iterator[Edge]:

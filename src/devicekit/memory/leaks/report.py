@@ -30,6 +30,10 @@ KINDS = {
     "lru_cache": "lru_cache keeps every result",
     "deferred_closure": "functions keep tensors they captured",
     "exception_frames": "exceptions keep their frames",
+    "tensor_attributes": "tensors linked through tensor attributes",
+    "suspended_frames": "suspended generators keep their frames",
+    "numpy_views": "numpy arrays keep torch storage alive",
+    "unnamed": "tensors that survive every step, no holder found",
     "param_groups": "param groups added every step",
     "buffer_per_step": "buffers registered every step",
     "class_attribute": "class attribute grows",
@@ -43,8 +47,10 @@ PROJECTION_STEPS = 10_000
 class Leak:
     """One holder whose memory keeps growing after warm-up.
 
-    ``lineno`` is the line that last extended the holder; ``0`` (and ``filename`` ``""``) only
-    when line attribution was off or could not run, which ``LeakReport.notes`` then says.
+    ``lineno`` is the line that last extended the holder in the steps traced (the tracer follows
+    a holder that grew until it has its line, three steps at most); ``0`` (and ``filename``
+    ``""``) only when line attribution was off or could not run, which ``LeakReport.notes``
+    then says. ``cleared_at``: where the code empties the holder again and again, if it does.
     ``bytes_per_step`` is tensor bytes per step plus, for autograd graphs, an estimate of the
     nodes kept alive (``estimated`` is then True).
     """
@@ -63,6 +69,9 @@ class Leak:
     series: list[int] = field(default_factory=list)
     detail: str = ""
     severity: str = "leak"
+    #: where the code empties the holder (``train.py:57 (on_train_epoch_end)``): a sawtooth,
+    #: bounded by that period, so the projection stops there
+    cleared_at: str = ""
 
     @property
     def where(self) -> str:
@@ -70,16 +79,24 @@ class Leak:
 
     @property
     def projection(self) -> str:
-        """What the rate means for a run: ``+526 KiB/step = 5 GiB after 10,000 steps``."""
+        """What the rate means for a run: ``+526 KiB/step = 5 GiB after 10,000 steps``, or, for a
+        holder the code empties periodically, ``+256 B/step until emptied at train.py:57 (...)``."""
+        if self.cleared_at:
+            return f"+{format_size(self.bytes_per_step)}/step until emptied at {self.cleared_at}"
         return (f"+{format_size(self.bytes_per_step)}/step = "
                 f"{format_size(self.bytes_per_step * PROJECTION_STEPS)} after {PROJECTION_STEPS:,} steps")
 
     def __str__(self) -> str:
         name = f"{self.holder} ({self.detail})" if self.detail else self.holder
         if self.severity == "minor":
-            return (f"{name}: slow growth, not a leak: a log of scalars that grows by "
-                    f"{format_size(self.bytes_per_step)}/step ({self.projection.split(' = ')[1]}), "
-                    f"extended at {self.where}\n    fix: {self.fix}")
+            rate = format_size(self.bytes_per_step)
+            if self.cleared_at:
+                grows = f"grows by {rate}/step until emptied at {self.cleared_at}"
+            else:
+                what = "grows" if self.detail else "a log of scalars that grows"
+                grows = (f"{what} by {rate}/step ({format_size(self.bytes_per_step * PROJECTION_STEPS)} "
+                         f"after {PROJECTION_STEPS:,} steps)")
+            return f"{name}: slow growth, not a leak: {grows}, extended at {self.where}\n    fix: {self.fix}"
         return (f"{name}: {KINDS.get(self.kind, self.kind)}, {self.projection}, "
                 f"extended at {self.where}\n    fix: {self.fix}")
 

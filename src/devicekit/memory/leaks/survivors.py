@@ -1,4 +1,4 @@
-"""Survivors: the tensors a step created that are still alive after the next step.
+"""Survivors: the tensors a step created that are still alive two steps later.
 
 The leak finder starts from the memory, not from a list of names. While it watches, every
 object that existed before is frozen (``gc.freeze``, see :mod:`~devicekit.memory.leaks.cycles`),
@@ -6,17 +6,18 @@ so ``gc.get_objects()`` lists only objects created since, and after each step's 
 those still alive: the scan costs what the loop keeps, not the size of the process. Each
 tensor's birth step is noted (by weak reference, so a freed tensor whose address is reused is
 not mistaken for the old one); a tensor born in step ``s`` and still alive at the end of step
-``s + 1`` is a *survivor*: what a leak is made of (a step's temporaries and outputs are gone by
-then, Adam's state is born once during warm-up).
+``s + 2`` is a *survivor*: what a leak is made of. A step's temporaries and outputs are gone by
+then, and so is what a framework keeps one step longer (the batch a data loader fetched ahead,
+the last loss it logs); Adam's state is born once during warm-up.
 
 Usage::
 
     watch = SurvivorWatch()
     watch.scan(0)                      # baseline (after the gc freeze)
-    ...                                # step 1
-    watch.scan(1)
-    ...                                # step 2
-    for tensor in watch.scan(2):       # born in step 1, still alive now
+    ...                                # steps 1 and 2
+    watch.scan(1); watch.scan(2)
+    ...                                # step 3
+    for tensor in watch.scan(3):       # born in step 1, still alive now
         print(tensor.shape)
 """
 
@@ -30,6 +31,8 @@ import torch
 
 __all__ = ["SurvivorWatch", "signature"]
 
+#: steps a tensor must outlive its own to be a survivor
+LAG = 2
 #: above this many young objects a scan would cost more than a step: survivors are not followed
 MAX_YOUNG = 200_000
 
@@ -50,7 +53,7 @@ class SurvivorWatch:
         self._tensor_types: dict[type, bool] = {}
 
     def scan(self, step: int) -> list[torch.Tensor]:
-        """Note the tensors alive now; return those born in ``step - 1`` (``step >= 2``)."""
+        """Note the tensors alive now; return those born in ``step - LAG`` (``step > LAG``)."""
         if self.disabled:
             return []
         young = gc.get_objects()
@@ -78,7 +81,7 @@ class SurvivorWatch:
                     births[key] = (weakref.ref(obj), step)
                 except TypeError:  # a tensor subclass without weak references
                     continue
-            elif known[1] == step - 1 and step >= 2:
+            elif known[1] == step - LAG and step > LAG:
                 survivors.append(obj)
         del young
         for key in [k for k in births if k not in alive]:
