@@ -23,11 +23,13 @@ run: $(BIN)/devicekit
 	$(BIN)/devicekit run
 	@echo "devicekit is installed in $(VENV): run $(BIN)/devicekit, or 'source $(BIN)/activate' first"
 
-# the whole suite, one pytest-xdist worker per core, the 15 slowest tests listed at the end;
-# PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
+# the whole suite on pytest-xdist, one worker per core but at least 4 (many tests wait on the
+# processes they start: on 2 cores 4 workers took 237 s, 2 took 274 s), the 15 slowest tests
+# listed at the end; PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -lt 4 ] && n=4; echo $$n)
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -n auto --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks

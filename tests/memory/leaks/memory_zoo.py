@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,7 +24,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.memory.memory_truth import LiveStorages  # the live-storage truth of the estimate tests
 
 SOURCE = Path(__file__).read_text().splitlines()
 X = torch.randn(8, 16)
@@ -354,37 +354,6 @@ CLEAN: dict[str, Callable[[], Case]] = {fn.__name__: fn for fn in (
 
 
 # -- the truth ---------------------------------------------------------------------------------
-
-class LiveStorages(TorchDispatchMode):
-    """Bytes of the storages the ops return, while they are alive (weak references tell)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self._seen: dict[int, Any] = {}
-
-    def _add(self, tensor: Any) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr() or id(storage)
-        if key in self._seen and self._seen[key][0]() is not None:
-            return
-        size = storage.nbytes()
-        self.live += size
-
-        def gone(_ref: Any, key: int = key, size: int = size) -> None:
-            self.live -= size
-            self._seen.pop(key, None)
-
-        self._seen[key] = (weakref.ref(storage, gone), size)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for item in out if isinstance(out, (tuple, list)) else (out,):
-            self._add(item)
-        return out
-
 
 def storage_growth(make: Callable[[], Case], *, steps: int = 8, warmup: int = 2) -> float:
     """Live storage bytes a fresh ``make()`` case keeps per step after ``warmup`` steps."""
