@@ -34,18 +34,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from bench_callbacks import median_step_ms  # noqa: E402  (the same per-step clock)
 from timing import interleaved  # noqa: E402
 
 STEPS = 30
-SKIP = 3  # first steps: warm-up (allocations, optimizer state)
 MODES = ("clean", "keeps its losses", "hook every step")
 warnings.simplefilter("ignore")
 logging.disable(logging.WARNING)
-
-
-def median_step_ms(stamps: list[float]) -> float:
-    gaps = [b - a for a, b in zip(stamps[SKIP:], stamps[SKIP + 1:], strict=False)]
-    return statistics.median(gaps) * 1e3
 
 
 def lightning_variants(out: Path, rounds: int) -> tuple[dict[str, list[float]], dict[str, str]]:

@@ -49,6 +49,18 @@ def server(simulate) -> Iterator[StatusServer]:
         srv.stop()
 
 
+def start_line(proc: subprocess.Popen[str], seconds: float = 60) -> str:
+    """The first stdout line of a starting ``devicekit serve`` ("" if none within ``seconds``)."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if sel.select(timeout=max(deadline - time.monotonic(), 0)):
+                return proc.stdout.readline()
+    return ""
+
+
 def get(server: StatusServer, path: str, method: str = "GET",
         timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
     """One request: ``(status, headers, body)``."""
@@ -99,16 +111,7 @@ class ServeProcesses:
                                  "--interval", "200ms", *args], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.started.append(proc)
-        assert proc.stdout is not None
-        line = ""
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + 60
-            while not line and time.monotonic() < deadline:
-                if sel.select(timeout=max(deadline - time.monotonic(), 0)):
-                    line = proc.stdout.readline()
-                    if not line:
-                        break
+        line = start_line(proc)
         assert line.startswith("devicekit serve: http://"), f"no start line: {line!r}"
         return proc, line.split()[2]
 

@@ -4,12 +4,10 @@ SIGTERM, the non-loopback notice, and no torch on its path."""
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import pytest
 import devicekit as dk
 from devicekit.cli.main import main
 from devicekit.cli.serve import parse_interval
-from tests.serve.conftest import machine
+from tests.serve.conftest import machine, start_line
 
 SRC = str(Path(dk.__file__).parents[1])
 
@@ -78,16 +76,7 @@ def _start(simulation: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "devicekit", "serve", "--port", "0",
                              "--interval", "200ms", *args], env=_child_env(simulation),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = ""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + 60
-        while not line and time.monotonic() < deadline:
-            if sel.select(timeout=max(deadline - time.monotonic(), 0)):
-                line = proc.stdout.readline()
-                if not line:
-                    break
+    line = start_line(proc)
     if not line:
         proc.kill()
         raise AssertionError(f"no start line: {proc.communicate(timeout=10)}")

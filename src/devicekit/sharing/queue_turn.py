@@ -111,10 +111,16 @@ class Hold:
             record_usage(self.directory, hours, self.half_life)
 
 
+def _quota(policy: Policy, leases: Sequence[LeaseRecord]) -> tuple[str, int | None, int]:
+    """(this user, the GPUs the policy lets them hold or None, the GPUs they hold now)."""
+    me = user_name(os.geteuid())
+    return me, policy.user_limits.get(me, policy.max_gpus_per_user), \
+        len({r.gpu_uuid for r in leases if r.user == me})
+
+
 def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None) -> str:
     """The ``Quota`` reason when this user may not take ``count`` more GPUs ("" when it may)."""
-    me = user_name(os.geteuid())
-    limit = policy.user_limits.get(me, policy.max_gpus_per_user)
+    me, limit, using = _quota(policy, leases)
     if limit is None:
         return ""
     if (count or 1) > limit:
@@ -122,7 +128,6 @@ def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None
             f"need {count or 1} GPU(s) but the queue policy lets {me} hold {limit} at most;"
             " waiting cannot help", [f"Quota: {me} may hold {limit} GPU(s)"], waiting_helps=False,
             hint="ask for fewer GPUs or ask the admin (policy.toml in the lease directory)")
-    using = len({r.gpu_uuid for r in leases if r.user == me})
     if using + (count or 1) <= limit:
         return ""
     return f"Quota: {me} uses {using} of {limit} GPU(s), asks {count or 1}"
@@ -130,12 +135,10 @@ def _over_quota(policy: Policy, leases: Sequence[LeaseRecord], count: int | None
 
 def quota_left(policy: Policy, leases: Sequence[LeaseRecord]) -> tuple[int | None, str]:
     """How many more GPUs this user may take under the policy (None: no quota), and the quota
-    in words for a reason ("Quota: alice may hold 1 GPU(s)")."""
-    me = user_name(os.geteuid())
-    limit = policy.user_limits.get(me, policy.max_gpus_per_user)
+    in words for a reason ("Quota: alice may hold 1 GPU(s), holds 1")."""
+    me, limit, using = _quota(policy, leases)
     if limit is None:
         return None, ""
-    using = len({r.gpu_uuid for r in leases if r.user == me})
     return max(limit - using, 0), f"Quota: {me} may hold {limit} GPU(s), holds {using}"
 
 
