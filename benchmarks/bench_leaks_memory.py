@@ -9,12 +9,13 @@ leaking workloads are the kinds issue 36 lists: an exception chain, a running lo
 cell, a linked list through tensor attributes, suspended generators, ``.numpy()`` views,
 ``autograd.grad(create_graph=True)`` results, a ``retain_graph`` chain and a hook per step.
 
-Run: python benchmarks/bench_leaks_memory.py [--rounds N] [--steps N]
+Run: python benchmarks/bench_leaks_memory.py [--rounds N] [--steps N] [--only WORKLOAD ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -164,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", nargs="+", choices=list(WORKLOADS), help="these workloads only")
     options = parser.parse_args()
     steps = options.steps
     torch.set_num_threads(1)
@@ -200,18 +202,23 @@ def main() -> None:
         per_step.setdefault("clean: LeakDetector", []).append((time.process_time() - began) / steps)
         assert ld.report().ok, ld.report()
 
+    names = options.only or list(WORKLOADS)
     methods: dict[str, Callable[[], None]] = {}
-    for name in WORKLOADS:
+    for name in names:
         methods[f"{name}: plain"] = plain(name)
         methods[f"{name}: find_leaks"] = found(name)
-    methods["clean: LeakDetector"] = by_hand
+    if "clean" in names:
+        methods["clean: LeakDetector"] = by_hand
     interleaved(methods, rounds=options.rounds, warmup=1)
+    print(f"load average {' '.join(f'{n:.2f}' for n in os.getloadavg())} after the run")
     print("| workload | plain ms/step | find_leaks ms/step | ratio | named |")
     print("| --- | ---: | ---: | ---: | --- |")
-    for name in WORKLOADS:
+    for name in names:
         bare = statistics.median(per_step[f"{name}: plain"]) * 1e3
         checked = statistics.median(per_step[f"{name}: find_leaks"]) * 1e3
         print(f"| {name} | {bare:.2f} | {checked:.2f} | {checked / bare:.2f}x | {named[name]} |")
+    if "clean" not in names:
+        return
     hand = statistics.median(per_step["clean: LeakDetector"]) * 1e3
     bare = statistics.median(per_step["clean: plain"]) * 1e3
     print(f"| clean, `with LeakDetector()` in a hand loop | {bare:.2f} | {hand:.2f} | {hand / bare:.2f}x | |")

@@ -1,9 +1,10 @@
 """LeakDetector: watch a hand-written training loop for memory that keeps growing.
 
 At each ``ld.step()`` it finds the holders the loop can keep (the calling frame's locals and
-globals, and the closure cells and globals of the step functions among them, named as
-``dk.find_leaks`` names them; two named steps deep: ``total_loss``, ``model.history``,
-``cache``, ``self.last_error``), measures each one (the storage it keeps alive, items, autograd
+globals, the closure cells and globals of the step functions among them, and the globals the
+methods of the loop's objects name, named as ``dk.find_leaks`` names them; two named steps deep,
+and the closure cells of functions kept there: ``total_loss``, ``model.history``, ``cache``,
+``self.last_error``, ``self.track.running``), measures each one (the storage it keeps alive, items, autograd
 nodes; :mod:`~devicekit.memory.leaks.measure`), and, with ``cycles=True``, collects the cyclic
 garbage of the step to see tensors held by reference cycles. A holder leaks when it keeps
 growing after ``warmup`` steps (see :mod:`~devicekit.memory.leaks.trend` and
@@ -55,7 +56,12 @@ import torch
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.leaks.cycles import CycleSample, CycleWatch
-from devicekit.memory.leaks.discovery import HolderDiscovery, closure_roots, code_roots
+from devicekit.memory.leaks.discovery import (
+    HolderDiscovery,
+    closure_roots,
+    code_roots,
+    method_roots,
+)
 from devicekit.memory.leaks.graphs import GraphCache
 from devicekit.memory.leaks.holders import Holder, discover
 from devicekit.memory.leaks.judge import (
@@ -68,7 +74,14 @@ from devicekit.memory.leaks.judge import (
 from devicekit.memory.leaks.lines import LineTracer
 from devicekit.memory.leaks.measure import Size, measure
 from devicekit.memory.leaks.report import LeakReport
-from devicekit.memory.leaks.resume import Chain, Resumable, measure_appended, measure_chain
+from devicekit.memory.leaks.resume import (
+    Chain,
+    Resumable,
+    content_print,
+    measure_appended,
+    measure_chain,
+    tensors_print,
+)
 from devicekit.memory.leaks.trend import growth
 from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, Root, frame_roots
@@ -79,6 +92,8 @@ __all__ = ["LeakDetector"]
 _REMEASURE_BELOW = 16  # containers this long keep their size while they hold the same objects
 _DISCOVER_EVERY = 4  # steps between walks for named holders (after the first two)
 _TRACE_STEPS = 3  # steps the line tracer follows one holder that grew, at most
+#: measured by what was added since the last step (resume.measure_appended); a hook dict is a dict
+_APPENDED = (list, collections.deque, dict, collections.OrderedDict)
 
 
 class LeakDetector:
@@ -185,7 +200,10 @@ class LeakDetector:
     def _frame_roots(self, frame: types.FrameType | None) -> list[Root]:
         roots = frame_roots(frame) if frame is not None else []
         if frame is not None:  # a step function's closure cells, named as find_leaks names them
-            roots += closure_roots(frame.f_locals, {root.name for root in roots} | set(self._watch_names))
+            taken = {root.name for root in roots} | set(self._watch_names)
+            roots += closure_roots(frame.f_locals, taken)
+            # and the globals the methods of the loop's objects name (a LightningModule's `self`)
+            roots += method_roots([*frame.f_locals.values(), *(root.get() for root in self._extra)], taken)
         return roots + self._extra
 
     @staticmethod
@@ -209,6 +227,8 @@ class LeakDetector:
             self._step += 1
         step = self._step
         cycle_types: tuple[type, ...] = ()
+        if self._cycle_watch is not None:  # the tensors this step made, before its collection
+            self._discovery.survivors.note(step)
         if self._cycle_watch is not None and not baseline:
             found = self._cycle_watch.sample()  # also this step's garbage collection
             self._cycles.append((step, found))
@@ -249,6 +269,8 @@ class LeakDetector:
             self._allocated.append((step, torch.cuda.memory_allocated()))
         # lines are traced only for what grew and has no line yet, a few steps at most each: the
         # tracer costs a leaking step most of what the check costs, so it stops once it has answered
+        if step < self.warmup:  # what grows in warm-up (Adam's state) needs no line: the next step is warm-up too
+            grew, cycle_types = {}, ()
         grew = {path: h for path, h in grew.items() if path not in self._line_of and self._traced(path)}
         cycle_types = tuple(t for t in cycle_types if f"type:{t.__name__}" not in self._line_of
                             and self._traced(f"type:{t.__name__}"))
@@ -309,7 +331,7 @@ class LeakDetector:
                 self._inside[path] = (id(value), set())
                 return size
         self._chains.pop(path, None)  # it holds something else now: let the old chain go
-        if type(value) in (list, collections.deque) and path not in self._whole:
+        if type(value) in _APPENDED and path not in self._whole:
             size, state = measure_appended(value, self._resume.get(path), cache=self._graphs)
             if state is not None:
                 self._resume[path] = state
@@ -318,15 +340,19 @@ class LeakDetector:
                 return size
             self._resume.pop(path, None)
             self._whole.add(path)  # it holds something else: measured whole from now on
-        if not isinstance(value, CONTAINERS) or len(value) < _REMEASURE_BELOW:
+        if not isinstance(value, CONTAINERS):
             inside: set[int] = set()
             size = measure(value, seen=seen, inside=inside, cache=self._graphs)
             inside.discard(id(value))
             self._inside[path] = (id(value), inside)
             return size
-        print_ = _content_print(value)
+        # a small container is measured afresh unless it holds only tensors without a graph, two
+        # levels deep, the same ones as last time (an optimizer's state, a dict of EMA weights)
+        print_ = content_print(value) if len(value) >= _REMEASURE_BELOW else tensors_print(value)
         last = self._big.get(path)
-        if last is not None and last[0] == print_:
+        if print_ is None:
+            self._big.pop(path, None)
+        elif last is not None and last[0] == print_:
             seen.update(last[2])
             return last[1]
         ids: set[int] = set()
@@ -335,7 +361,8 @@ class LeakDetector:
         inside.discard(id(value))
         self._inside[path] = (id(value), inside)
         seen.update(ids)
-        self._big[path] = (print_, size, frozenset(ids))
+        if print_ is not None:
+            self._big[path] = (print_, size, frozenset(ids))
         return size
 
     # -- verdict ---------------------------------------------------------------------------
@@ -404,13 +431,6 @@ class LeakDetector:
         holder = max({s.holder for s in held}, key=lambda h: sum(s.holder == h for s in held))
         holder_type = next((s.holder_type for s in held if s.holder == holder), None)
         return self._line_of.get(f"type:{holder_type.__name__}" if holder_type else "", ("", 0))
-
-
-def _content_print(value: Any) -> tuple[int, int, int]:
-    """Identity, length and the identities of the items: a container whose print did not change
-    holds the same objects (what grows inside one of them is found from the memory)."""
-    items = value.values() if isinstance(value, dict) else value
-    return (id(value), len(value), hash(tuple(map(id, items))))
 
 
 def _read_local(current: list[types.FrameType | None], name: str) -> Any:

@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import weakref
 from typing import Any
@@ -39,9 +40,11 @@ from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, Root, function_roots, is_user_file
 from devicekit.memory.tensors import total_bytes
 
-__all__ = ["HolderDiscovery", "closure_roots", "code_roots"]
+__all__ = ["HolderDiscovery", "closure_roots", "code_roots", "method_roots"]
 
 _RETRY_EVERY = 3  # steps between searches for one kind of tensor
+#: user class -> (name, module globals) of the globals its methods name (read when needed)
+_method_globals: weakref.WeakKeyDictionary[type, list[tuple[str, dict[str, Any]]]] = weakref.WeakKeyDictionary()
 
 
 def code_roots(namespace: dict[str, Any]) -> list[Root]:
@@ -73,6 +76,46 @@ def closure_roots(namespace: dict[str, Any], taken: set[str]) -> list[Root]:
                 taken.add(root.name)
                 roots.append(root)
     return roots
+
+
+def method_roots(values: list[Any], taken: set[str]) -> list[Root]:
+    """The module globals the methods of user objects among ``values`` name (``global last_out``
+    in a LightningModule's ``training_step``, or in a helper method it calls), by their global
+    names, as ``find_leaks`` names the globals of a step function: a framework's callback sees
+    only ``self`` and ``model``, and the same leak gets the same name. Names in ``taken`` win."""
+    roots = []
+    for value in values:
+        cls = type(value)  # not isinstance: a dead weak proxy raises on __class__
+        if cls.__module__.startswith("devicekit.") or not is_user_class(cls):
+            continue
+        named = _method_globals.get(cls)
+        if named is None:
+            named = _method_globals[cls] = _globals_named_by_methods(cls)
+        for name, namespace in named:
+            if name not in taken:
+                taken.add(name)
+                roots.append(Root(name, "global", functools.partial(_read_global, namespace, name)))
+    return roots
+
+
+def _globals_named_by_methods(cls: type) -> list[tuple[str, dict[str, Any]]]:
+    found: dict[str, dict[str, Any]] = {}
+    for klass in cls.__mro__:
+        if klass is object or not is_user_class(klass):
+            continue
+        for attr in vars(klass).values():
+            fn = getattr(attr, "__func__", attr)  # staticmethod, classmethod
+            if type(fn) is not types.FunctionType or not is_user_file(fn.__code__.co_filename):
+                continue
+            for root in function_roots(fn):
+                if root.origin == "global" and root.name not in found:
+                    found[root.name] = fn.__globals__
+    return sorted(found.items(), key=lambda item: item[0])
+
+
+def _read_global(namespace: dict[str, Any], name: str) -> Any:
+    value = namespace.get(name, MISSING)
+    return MISSING if isinstance(value, (type, types.ModuleType, types.FunctionType)) else value
 
 
 class HolderDiscovery:

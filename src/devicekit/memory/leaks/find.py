@@ -29,7 +29,7 @@ from typing import Any
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.leaks.detector import LeakDetector
-from devicekit.memory.leaks.discovery import code_roots
+from devicekit.memory.leaks.discovery import code_roots, method_roots
 from devicekit.memory.leaks.report import LeakReport
 from devicekit.memory.roots import Root, frame_roots, function_roots
 
@@ -82,6 +82,8 @@ def find_leaks(step: Callable[..., Any], *, steps: int = 6, warmup: int = 2, lin
         )
     caller = sys._getframe(1)
     fixed_roots: list[Root] = function_roots(step) + frame_roots(caller, include_globals=False)
+    # the globals the methods of the step's objects name (`global last_out` in `owner.grow`)
+    fixed_roots += method_roots([root.get() for root in fixed_roots], {root.name for root in fixed_roots})
     detector = LeakDetector(warmup=warmup, lines=lines, cycles=cycles, watch=watch)
     detector._roots_of = lambda _frame: fixed_roots + detector._extra
     code = code_roots(_globals_of(step)) + code_roots(caller.f_locals)

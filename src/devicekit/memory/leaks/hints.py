@@ -69,10 +69,26 @@ def _parse(filename: str) -> tuple[ast.Module, list[str]] | None:
     return tree, text.splitlines()
 
 
+#: id of a tree -> (the tree, its nodes by kinds): a file's tree is walked once per kind of node
+_nodes: dict[int, tuple[ast.AST, dict[tuple[type, ...], list[ast.AST]]]] = {}
+
+
+def _nodes_of(tree: ast.AST, kinds: tuple[type, ...]) -> list[ast.AST]:
+    kept = _nodes.get(id(tree))
+    if kept is None or kept[0] is not tree:
+        if len(_nodes) > 64:
+            _nodes.clear()
+        kept = _nodes[id(tree)] = (tree, {})
+    found = kept[1].get(kinds)
+    if found is None:
+        found = kept[1][kinds] = [node for node in ast.walk(tree) if isinstance(node, kinds)]
+    return found
+
+
 def _enclosing(tree: ast.AST, lineno: int, kinds: tuple[type, ...]) -> ast.AST | None:
     """The innermost node of ``kinds`` whose lines contain ``lineno``."""
     best: ast.AST | None = None
-    for node in ast.walk(tree):
+    for node in _nodes_of(tree, kinds):
         if isinstance(node, kinds) and node.lineno <= lineno <= (node.end_lineno or node.lineno):
             if best is None or node.lineno >= best.lineno:
                 best = node

@@ -17,14 +17,16 @@ Usage::
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from devicekit.memory.paths import CONTAINERS, resolve, walk
-from devicekit.memory.roots import MISSING, Root, is_plain_value
+from devicekit.memory.leaks.reach import is_user_class
+from devicekit.memory.paths import CONTAINERS, Found, resolve, walk
+from devicekit.memory.roots import MISSING, Root, is_plain_value, is_user_file
 
 __all__ = ["Holder", "discover"]
 
@@ -63,13 +65,42 @@ def discover(roots: Iterable[Root], *, max_depth: int = 2) -> dict[str, Holder]:
         if value is MISSING or is_plain_value(value) or _is_own(value):
             continue
         for found in walk(root.name, value, max_depth=max_depth):
-            obj = found.value
-            cls = type(obj)  # not isinstance: a dead weak proxy raises on __class__
-            if not issubclass(cls, _HOLDS) or issubclass(cls, torch.nn.Parameter):
-                continue
-            holder = Holder(found.path, root.origin, found.in_module, root, found.steps)
-            rank = (0 if found.in_module else 1, _ORIGIN_RANK.get(root.origin, 9), len(found.steps))
-            current = best.get(id(obj))
-            if current is None or rank < current[0]:
-                best[id(obj)] = (rank, holder)
+            for candidate in (found, *_closure_cells(found)):
+                obj = candidate.value
+                cls = type(obj)  # not isinstance: a dead weak proxy raises on __class__
+                if not issubclass(cls, _HOLDS) or issubclass(cls, torch.nn.Parameter):
+                    continue
+                holder = Holder(candidate.path, root.origin, candidate.in_module, root, candidate.steps)
+                rank = (0 if candidate.in_module else 1, _ORIGIN_RANK.get(root.origin, 9), len(candidate.steps))
+                current = best.get(id(obj))
+                if current is None or rank < current[0]:
+                    best[id(obj)] = (rank, holder)
     return {holder.path: holder for _, holder in best.values()}
+
+
+def _closure_cells(found: Found) -> list[Found]:
+    """The closure cells of user functions kept as attributes of an object of a user class (a
+    LightningModule: ``self.track = track``, where ``track`` rebinds ``nonlocal running``): state
+    that lives as long as the object, named ``self.track.running``."""
+    value = found.value
+    cls = type(value)
+    if issubclass(cls, type) or not is_user_class(cls):  # torch's own modules keep no such functions
+        return []
+    try:
+        attrs = list(vars(value).items())
+    except Exception:  # noqa: BLE001 - no __dict__, or an object that fails to give it
+        return []
+    cells = []
+    for key, fn in attrs:
+        if type(fn) is not types.FunctionType or not fn.__closure__ or not is_user_file(fn.__code__.co_filename):
+            continue
+        in_module = found.in_module or issubclass(cls, torch.nn.Module)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__, strict=False):
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # not set yet
+                continue
+            if inner is not value:
+                cells.append(Found(f"{found.path}.{key}.{name}", inner, found.steps + (("attr", key), ("cell", name)),
+                                   in_module))
+    return cells

@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import sys
 import types
 from collections.abc import Callable
@@ -39,30 +40,33 @@ from devicekit.memory.roots import MISSING, is_user_file
 
 __all__ = ["LineTracer", "fingerprint", "extends"]
 
-_Print = tuple[int, int] | None
+_Print = tuple[int, int, int] | None
 
 
 def fingerprint(value: Any) -> _Print:
-    """Cheap identity of a holder's state: (id, version or length)."""
+    """Cheap identity of a holder's state: (id, version or length, id of a list's last item)."""
     if value is MISSING:
         return None
     if isinstance(value, torch.Tensor):
-        return (id(value), value._version)
+        return (id(value), value._version, 0)
+    if isinstance(value, (list, collections.deque)):  # `head[0] = out` replaces, at the same length
+        return (id(value), len(value), id(value[-1]) if value else 0)
     if isinstance(value, CONTAINERS):
-        return (id(value), len(value))
+        return (id(value), len(value), 0)
     if isinstance(value, LRU_TYPE):
-        return (id(value), value.cache_info().currsize)
-    return (id(value), 0)
+        return (id(value), value.cache_info().currsize, 0)
+    return (id(value), 0, 0)
 
 
 def extends(old: _Print, new: _Print) -> bool:
-    """Did the holder get longer, or get replaced (``x = x + y``, ``x += y``)?"""
+    """Did the holder get longer, get its last item replaced, or get replaced itself (``x = x + y``,
+    ``x += y``)?"""
     if new is None:
         return False
     if old is None:
         return True
     if old[0] == new[0]:
-        return new[1] > old[1]
+        return new[1] > old[1] or (new[1] == old[1] and new[2] != old[2])
     return True
 
 

@@ -93,6 +93,8 @@ def detail_of(kind: str, *, via: str, where: str, flags: Collection[str] = ()) -
 
 
 def kind_of(*, in_module: bool, is_tensor: bool, nodes_grow: bool) -> str:
+    if is_tensor and nodes_grow:  # one tensor whose graph grows: on a module (`self.delta`) too
+        return "autograd_graph"
     if in_module:
         return "module_cache"
     if is_tensor:
