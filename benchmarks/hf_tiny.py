@@ -54,15 +54,47 @@ SMALL: dict[str, Any] = {
     "v_head_dim": 16, "conv_dim": (32, 32), "conv_stride": (5, 2), "conv_kernel": (10, 3),
     "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2,
     "hidden_sizes": [16, 32], "depths": [1, 1], "embed_dims": [16, 32],
+    "d_latents": 32, "num_latents": 8, "num_self_attends_per_block": 1,
+    "linear_num_heads": 2, "linear_head_dim": 16, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
 }
 NESTED = ("text_config", "vision_config", "encoder", "decoder", "audio_config")
+
+
+#: per-stage widths of a vision backbone: the first stage narrower, the rest at the small width
+_STAGE_WIDTHS = ("hidden_sizes", "embed_dims")
+
+
+def _fit(default: Any, small: Any, name: str) -> Any:
+    """``small`` in the shape the config has for ``name`` (None: keep the default).
+
+    A per-stage list keeps its number of stages (other per-stage lists, such as strides or
+    window sizes, must agree with it): depths of 1, widths of 16 then 32, a number where the
+    config has a list the same at every stage, a list given whole (Wav2Vec2's conv layers); a
+    tuple where the config wants one number is left alone
+    (Wav2Vec2's conv sizes against Mamba's ``conv_kernel``)."""
+    if isinstance(default, (list, tuple)) and default and all(isinstance(v, int) for v in default):
+        stages = len(default)
+        if name == "depths":
+            return [1] * stages
+        if name in _STAGE_WIDTHS:
+            return [16] + [32] * (stages - 1)
+        return [small] * stages if not isinstance(small, (list, tuple)) else small
+    if isinstance(small, (list, tuple)) and default is not None:
+        return None
+    return small
 
 
 def tiny_config(config_class: Any) -> Any:
     """``config_class`` made with every :data:`SMALL` size it knows (at construction, so that
     derived fields such as the number of stages agree), nested configs shrunk too."""
     default = config_class()
-    small = {name: value for name, value in SMALL.items() if hasattr(default, name)}
+    small = {}
+    for name, value in SMALL.items():
+        if hasattr(default, name):
+            fitted = _fit(getattr(default, name), value, name)
+            if fitted is not None:
+                small[name] = fitted
     for name in NESTED:
         inner = getattr(default, name, None)
         if inner is not None and hasattr(inner, "to_dict"):

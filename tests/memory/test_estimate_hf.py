@@ -1,12 +1,10 @@
-"""The estimate on Hugging Face transformers models (tiny configs, random weights) against the
-live-storage truth of the same loop: the default loop (``out = model(x)``, cross-entropy, the
-previous output gone once the next forward returns) and the HF-style step (``model(**batch,
-labels=...).loss.backward()``)."""
+"""The estimate on Hugging Face transformers models (tests/memory/hf_zoo.py: tiny configs,
+random weights) against the live-storage truth of the same loop: the default loop (``out =
+model(x)``, cross-entropy, the previous output gone once the next forward returns) and the
+HF-style step (``model(**batch, labels=...).loss.backward()``)."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,62 +17,31 @@ from tests.memory.memory_truth import measured_peak
 
 transformers = pytest.importorskip("transformers")
 
+from tests.memory.hf_zoo import HF_ZOO, hf_step  # noqa: E402
+
 #: the issue's goal: within 10 % of the truth, never under it by more than 5 %
 TOLERANCE, UNDER = 0.10, 0.05
-VOCAB = 1000
 
 
-def _configs() -> dict[str, Callable[[], Any]]:
-    tf = transformers
-    return {
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
-            n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64,
-            bos_token_id=0, eos_token_id=0)),
-        "qwen2-tied": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            intermediate_size=64, vocab_size=VOCAB, tie_word_embeddings=True)),
-        "bert-mlm": lambda: tf.BertForMaskedLM(tf.BertConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=64)),
-        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
-            vocab_size=VOCAB, word_embed_proj_dim=32, max_position_embeddings=64)),
-    }
-
-
-MODELS = _configs()
-
-
-def _build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = MODELS[name]().train()
-    return model, torch.randint(0, VOCAB, (4, 32))
-
-
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(HF_ZOO))
 def test_default_loop_within_goal_on_hf_models(name: str) -> None:
-    model, tokens = _build(name)
-    est = dk.estimate_memory(model, tokens, device="cpu")       # nothing said: the default loop
-    truth = measured_peak(model, tokens, loss_fn=cross_entropy_loss)
+    case = HF_ZOO[name]
+    model, batch = case.build(), case.sample(case.batch)
+    est = dk.estimate_memory(model, batch, device="cpu")        # nothing said: the default loop
+    truth = measured_peak(model, batch, loss_fn=cross_entropy_loss)
     error = est.peak / truth - 1
-    assert -UNDER <= error <= TOLERANCE, (name, est.peak, truth, f"{error:+.3f}")
+    assert -UNDER <= error <= TOLERANCE, (name, est.peak, truth, f"{error:+.3f}", est.method)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(HF_ZOO))
 def test_hf_style_step_within_goal(name: str) -> None:
-    model, tokens = _build(name)
-
-    def step(m: torch.nn.Module, batch: torch.Tensor) -> Any:
-        out = m(input_ids=batch, labels=batch)
-        out.loss.backward()
-        return out                                              # kept by the loop, like `out`
-
-    est = dk.estimate_memory(model, tokens, step=step, device="cpu")
-    truth = measured_peak(model, tokens, step=step)
+    case = HF_ZOO[name]
+    model, batch = case.build(), case.sample(case.batch)
+    step = hf_step(case)                                        # returns `out`: kept by the loop
+    est = dk.estimate_memory(model, batch, step=step, device="cpu")
+    truth = measured_peak(model, batch, step=step)
     error = est.peak / truth - 1
-    assert -UNDER <= error <= TOLERANCE, (name, est.peak, truth, f"{error:+.3f}")
+    assert -UNDER <= error <= TOLERANCE, (name, est.peak, truth, f"{error:+.3f}", est.method)
 
 
 def test_the_previous_output_is_gone_once_the_next_forward_returns() -> None:
@@ -90,22 +57,39 @@ def test_the_previous_output_is_gone_once_the_next_forward_returns() -> None:
         assert last.value is None
 
 
-def test_mixtral_with_grouped_experts_is_estimated_from_real_steps() -> None:
-    """torch's fake kernel for ``_grouped_mm`` accepts only bf16 while the real fp32 CPU step
-    runs: any fake-kernel failure falls back to real CPU steps and says why, never blaming the
-    sample."""
-    tf = transformers
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = tf.MixtralForCausalLM(tf.MixtralConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-            vocab_size=VOCAB)).train()
-    tokens = torch.randint(0, VOCAB, (8, 32))
-    est = dk.estimate_memory(model, tokens, device="cpu")
+def test_mixtral_with_grouped_experts_runs_on_fake_tensors() -> None:
+    """transformers' default experts call ``_grouped_mm``, whose meta kernel accepts only bf16
+    while the CPU kernel multiplies fp32: the CPU op is sized from its shapes, so the model runs
+    on fake tensors (no real steps, no extrapolation)."""
+    case = HF_ZOO["mixtral"]
+    est = dk.estimate_memory(case.build(), case.sample(case.batch), device="cpu")
+    assert est.method.startswith("fake tensors"), est.method
+
+
+def test_a_fake_kernel_stricter_than_the_real_one_falls_back_to_real_steps(monkeypatch) -> None:
+    """Any fake-kernel failure (here: _grouped_mm's bf16-only meta kernel, without devicekit's
+    stand-in) falls back to real CPU steps and says why, never blaming the sample."""
+    from devicekit.memory import real_kernels
+
+    monkeypatch.delitem(real_kernels._MISSING, "aten::_grouped_mm")
+    case = HF_ZOO["mixtral"]
+    model, batch = case.build(), case.sample(case.batch)
+    est = dk.estimate_memory(model, batch, device="cpu")
     assert est.method.startswith("real CPU steps") and "fake tensors cannot run it" in est.method
-    truth = measured_peak(model, tokens, loss_fn=cross_entropy_loss)
+    assert "BF16" in est.method and "sample" not in est.method
+    truth = measured_peak(model, batch, loss_fn=cross_entropy_loss)
+    assert -UNDER <= est.peak / truth - 1 <= TOLERANCE, (est.peak, truth)
+
+
+def test_layerdrop_is_sized_with_every_layer_running() -> None:
+    """LayerDrop skips a layer when ``torch.rand([])`` falls below its rate: the estimate sizes
+    the step in which none is skipped (so does the truth), whatever the random numbers of the
+    real steps that stand in for fake tensors here."""
+    case = HF_ZOO["wav2vec2-ctc"]
+    model, batch = case.build(), case.sample(8)
+    model.config.layerdrop = 0.99                              # nearly every layer skipped
+    est = dk.estimate_memory(model, batch, step=hf_step(case), device="cpu")
+    truth = measured_peak(model, batch, step=hf_step(case))
     assert -UNDER <= est.peak / truth - 1 <= TOLERANCE, (est.peak, truth)
 
 

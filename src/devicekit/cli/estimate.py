@@ -11,13 +11,14 @@ Usage::
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import click
 
 from devicekit.units import format_size
 
-__all__ = ["checked_step_options", "command", "model_options"]
+__all__ = ["checked_step_options", "command", "model_options", "where_time_went"]
 
 
 def model_options(fn: click.decorators.FC) -> click.decorators.FC:
@@ -46,19 +47,47 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
 @click.option("--inference", is_flag=True, help="Size a forward pass without gradients instead.")
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
             loss: str | None, step_spec: str | None, as_json: bool, inference: bool) -> None:
+    started = time.perf_counter()
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
+    import torch._dynamo  # noqa: F401  (fake tensors import it on first use: count it as import time)
+
     from devicekit.cli.model_factory import load_factory, parse_inputs
     from devicekit.memory.estimate import estimate_memory
 
+    spent = {"importing torch and devicekit": time.perf_counter() - started}
     sample = parse_inputs(inputs, batch)
     model = load_factory(model_spec)
+    spent["building the model"] = time.perf_counter() - started - sum(spent.values())
     est = estimate_memory(model, sample, training=not inference, **kwargs)
+    spent.update(est.timings)
     if as_json:
         click.echo(json.dumps(est.to_dict(), indent=2))
         return
     click.echo(str(est))
     what = "what nvidia-smi shows, at most" if est.device.type == "cuda" else "bytes allocated at the peak"
     click.echo(f"  (estimated in {est.seconds:.2f} s; {format_size(est.high or est.peak)}: {what})")
+    total = time.perf_counter() - started
+    if total > SLOW_SECONDS:
+        click.echo(f"  {total:.1f} s in all: {where_time_went(spent)}")
+
+
+#: past this many seconds the command says where its time went
+SLOW_SECONDS = 10.0
+
+
+def where_time_went(spent: dict[str, float]) -> str:
+    """One line: each stage's seconds, largest first, and what makes the largest slow."""
+    stages = sorted(spent.items(), key=lambda item: -item[1])
+    line = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stages if seconds >= 0.05)
+    why = {
+        "fake-tensor step": "each op of one step runs once on fake tensors (about 0.1 ms an op, "
+                            "in Python): RNN layers run several ops per time step, so a long "
+                            "sequence costs most; the first estimate in a process also warms torch",
+        "real CPU steps": "fake tensors could not run the model, so real steps ran at two "
+                          "smaller batches (see 'sized by')",
+        "importing torch and devicekit": "torch's import, done once per process",
+    }.get(stages[0][0], "")
+    return f"{line} ({why})" if why else line
 
 
 def checked_step_options(optimizer: str, precision: str | None, loss: str | None,

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.memory.fake_step import PARTS, fake_step, resize_batch
+from devicekit.memory.cuda_terms import blas_workspaces_here
+from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, fake_step, resize_batch
 from devicekit.memory.fit_check import Fit, check_fit
 from devicekit.memory.gpu_overhead import gpu_range
 from devicekit.memory.losses import LossFn, resolve_loss
@@ -85,6 +86,7 @@ class MemoryEstimate:
     expected: int = 0
     high: int = 0
     convolutions: bool = False
+    timings: dict[str, float] = field(default_factory=dict)   # where ``seconds`` went
     _again: Callable[[int], MemoryEstimate] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -147,14 +149,15 @@ class MemoryEstimate:
 
     def rows(self) -> list[tuple[str, int]]:
         """(part, bytes) for every part, then the peak."""
-        return [(name, self.parts.get(name, 0)) for name in PARTS] + [("peak", self.peak)]
+        extra = [name for name in self.parts if name not in PARTS]   # on CUDA: "cuda workspaces"
+        return [(name, self.parts.get(name, 0)) for name in (*PARTS, *extra)] + [("peak", self.peak)]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON."""
         return {"peak": self.peak, "parts": dict(self.parts), "peak_phase": self.peak_phase,
                 "batch_size": self.batch_size, "device": str(self.device), "training": self.training,
                 "optimizer": self.optimizer, "precision": self.precision,
-                "parameters": self.parameters, "seconds": round(self.seconds, 4),
+                "parameters": self.parameters, "seconds": round(self.seconds, 4), "timings": dict(self.timings),
                 "loss": self.loss, "loop": self.loop, "method": self.method,
                 "low": self.low, "expected": self.expected, "high": self.high,
                 "measures": "nvidia-smi" if self.device.type == "cuda" else "bytes allocated"}
@@ -247,6 +250,7 @@ def estimate_memory(
                               "keep_output": step is None, "step": step}
     start = time.perf_counter()
     method = "fake tensors (nothing allocated)"
+    timings: dict[str, float] = {}
     try:
         peak, parts, phase = fake_step(model, shapes, training=training, device=target, **kwargs)
     except InvalidValueError:
@@ -257,15 +261,23 @@ def estimate_memory(
         # fails there too is refused, with the real error, so a sample that is fine is not blamed
         if not (training and batch is not None):
             raise _failed(model, shapes, exc, fake=not fake_tensors_cannot_run(exc)) from exc
+        timings["fake-tensor step (failed)"] = time.perf_counter() - start
         peak, parts, phase, method = _extrapolated(model, shapes, batch, exc, kwargs)
+        timings["real CPU steps"] = time.perf_counter() - start - timings["fake-tensor step (failed)"]
+        if target.type == "cuda":  # CPU steps hold no cuBLAS workspace: assume forward and backward multiply
+            parts[CUDA_WORKSPACES] = 2 * blas_workspaces_here().cublas
+            peak += parts[CUDA_WORKSPACES]
     seconds = time.perf_counter() - start
+    if not timings:
+        timings["fake-tensor step"] = seconds
 
     def again(b: int) -> MemoryEstimate:
         return estimate_memory(model, sample, optimizer=optimizer, precision=precision, training=training,
                                batch_size=b, loss_fn=loss_fn, step=step, device=target)
 
     convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    low, expected, high = gpu_range(peak, convolutions=convolutions, hopper=_hopper()) \
+    low, expected, high = gpu_range(peak, convolutions=convolutions, hopper=_hopper(),
+                                    workspaces_counted=CUDA_WORKSPACES in parts) \
         if target.type == "cuda" else (peak, peak, peak)
     name = optimizer if isinstance(optimizer, str) else ("none" if optimizer is None else "custom")
     return MemoryEstimate(
@@ -275,6 +287,7 @@ def estimate_memory(
         parameters=sum(p.numel() for p in model.parameters()), seconds=seconds,
         loss=loss_name if training else "none", loop=loop if training else "forward only",
         method=method, low=low, expected=expected, high=high, convolutions=convolutions,
+        timings={k: round(v, 3) for k, v in timings.items()},
         _again=again if batch is not None else None,
     )
 
@@ -363,5 +376,6 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
         parts["activations"] = 0
     why = (f"its shapes depend on values, {type(cause).__name__}" if fake_tensors_cannot_run(cause)
            else f"{type(cause).__name__}: {_first_line(cause)}")
-    return peak, parts, phase, (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch "
-                                f"{batch} (fake tensors cannot run it: {why})")
+    at = (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch {batch}" if b2 != batch
+          else f"real CPU steps at batch {batch}")
+    return peak, parts, phase, f"{at} (fake tensors cannot run it: {why})"

@@ -2,9 +2,11 @@
 
 The model is copied with its parameters and buffers replaced by fake tensors of the same
 shape, dtype and stride (ties kept: two names for one parameter stay one tensor), the sample
-likewise, and :func:`~devicekit.memory.step.training_step` runs twice under ``FakeTensorMode``;
+likewise, and :func:`~devicekit.memory.step.training_step` runs under ``FakeTensorMode``;
 the peak is the second step's (the steady state: optimizer state exists, and the first
-step's peak is never above it). A dispatch mode
+step's peak is never above it), read from the first step's timeline (:mod:`.steady_state`:
+what survives the first step is added where the second already holds it), which gives the
+bytes of running it at half the time. A dispatch mode
 sees every tensor the real forward, backward and optimizer step create, and a weak reference
 to each storage tells when it dies, so the live total, and its peak, is what the caching
 allocator would have handed out (on CUDA rounded up to its 512-byte blocks). No real memory
@@ -25,44 +27,60 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from devicekit.memory.real_kernels import real_outputs
+from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
+from devicekit.memory.draws import layer_kept_draw
+from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
+from devicekit.memory.steady_state import Timeline
 from devicekit.memory.step import LoopOutput, OptimizerSpec, StepFn, make_optimizer, training_step
 from devicekit.placement.walk import iter_tensors, map_tensors
 
-__all__ = ["PARTS", "LiveBytes", "fake_step", "phase_hooks", "resize_batch"]
+__all__ = ["CUDA_WORKSPACES", "PARTS", "LiveBytes", "fake_step", "phase_hooks", "plain_tensor_copies",
+           "resize_batch"]
 
 #: the parts of a step's memory, in the order tables show them
 PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "temporaries")
+#: on CUDA, the part that holds cuBLAS's workspaces and cuDNN's transient ones (:mod:`.cuda_terms`)
+CUDA_WORKSPACES = "cuda workspaces"
 _CUDA_BLOCK = 512
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every live storage, by part, and the parts at the peak."""
+    """Counts the bytes of every live storage, by part, and the parts at the peak.
 
-    def __init__(self, device_type: str) -> None:
+    On CUDA (or with ``workspaces`` given) the workspaces the ops seen would allocate are a part
+    of their own (:data:`CUDA_WORKSPACES`), and tensors on another device (Adam's step counts on
+    the CPU) are not counted.
+    """
+
+    def __init__(self, device_type: str, *, workspaces: BlasWorkspaces | None = None) -> None:
         super().__init__()
         self.round = device_type == "cuda"
+        self.device_type = device_type
         self.part = "weights"
         self.live: dict[str, int] = dict.fromkeys(PARTS, 0)
+        self.workspaces = workspaces if workspaces is not None or not self.round else blas_workspaces_here()
+        if self.workspaces is not None:
+            self.live[CUDA_WORKSPACES] = self.workspaces.total
         self.peak = 0
         self.at_peak: dict[str, int] = dict(self.live)
         self.peak_phase = ""
         self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}   # phase -> (peak, parts then)
         self.phase = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.timeline: Timeline | None = None   # set: every change recorded (:mod:`.steady_state`)
 
     def _size(self, storage: torch.UntypedStorage) -> int:
         size = storage.nbytes()
@@ -75,6 +93,8 @@ class LiveBytes(TorchDispatchMode):
         """Count ``tensor``'s storage (once) in ``part`` (default: the current one); retag if known."""
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             return
+        if self.round and tensor.device.type != self.device_type:   # not in this GPU's memory
+            return
         storage = tensor.untyped_storage()
         known = self._storages.get(storage)
         if known is not None:
@@ -85,6 +105,8 @@ class LiveBytes(TorchDispatchMode):
             return
         info = [self._size(storage), part or self.part]
         self._storages[storage] = (info, weakref.ref(storage, lambda ref, i=info: self._released(i, ref)))
+        if self.timeline is not None:
+            self.timeline.born(storage, info)
         self.live[info[1]] += info[0]
         self.note_peak()
 
@@ -94,18 +116,54 @@ class LiveBytes(TorchDispatchMode):
         self.phase_peaks = {}
         self.note_peak()
 
-    def note_peak(self) -> None:
-        total = sum(self.live.values())
+    def note_peak(self, transient: int = 0) -> None:
+        """Note the live total (plus ``transient`` workspace bytes an op holds while it runs)."""
+        if self.timeline is not None:
+            self.timeline.note(self.live, transient, self.phase)
+        total = sum(self.live.values()) + transient
+        if total <= self.peak and total <= self.phase_peaks.get(self.phase, (-1,))[0]:
+            return
+        parts = dict(self.live)
+        if transient:
+            parts[CUDA_WORKSPACES] = parts.get(CUDA_WORKSPACES, 0) + transient
         if total > self.peak:
             self.peak = total
-            self.at_peak = dict(self.live)
+            self.at_peak = parts
             self.peak_phase = self.phase
         if total > self.phase_peaks.get(self.phase, (-1,))[0]:
-            self.phase_peaks[self.phase] = (total, dict(self.live))
+            self.phase_peaks[self.phase] = (total, dict(parts))
+
+    def _cuda_terms(self, func: Any, args: Any) -> None:
+        """The workspaces ``func`` allocates: cuBLAS's for good, cuDNN's while it runs."""
+        assert self.workspaces is not None
+        backward = torch._C._current_autograd_node() is not None   # autograd's own thread on CUDA
+        added = self.workspaces.added(func.name(), backward=backward)
+        if added:
+            self.live[CUDA_WORKSPACES] += added
+            self.note_peak()
+        transient = transient_bytes(func, args)
+        if transient:
+            self.note_peak(transient)
+
+    def _track_outputs(self, out: Any) -> None:
+        """Track every tensor an op returned (a tensor, or a tuple / list of them: an aten op's
+        outputs; a plain loop, as pytree's walk cost a third of a fake step's time)."""
+        if isinstance(out, torch.Tensor):
+            self.track(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, (torch.Tensor, tuple, list)):
+                    self._track_outputs(item)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = real_outputs(func, args, func(*args, **(kwargs or {})))
-        tree_map_only(torch.Tensor, self.track, out)
+        kwargs = kwargs or {}
+        out = layer_kept_draw(func, args, kwargs)   # LayerDrop: the step where every layer runs
+        if out is None:
+            out = missing_fake_kernel(func, args)   # cuDNN's RNN backward: no fake kernel in torch
+        out = real_outputs(func, args, func(*args, **kwargs) if out is None else out)
+        self._track_outputs(out)
+        if self.workspaces is not None:
+            self._cuda_terms(func, args)
         return out
 
 
@@ -136,8 +194,39 @@ def _fake_model(model: nn.Module, device: torch.device, tracker: LiveBytes) -> n
         fake_b = _fake_like(b, device)
         tracker.track(fake_b, "weights")
         memo[id(b)] = fake_b
+    # weights and buffers keep their fake copies: an RNN also lists its weights in an attribute
+    # (``_flat_weights``), which must stay the parameters, or they get no gradient
+    memo.update(plain_tensor_copies(model, lambda t: _fake_like(t, t.device), known=memo))
     return copy.deepcopy(model, memo)
 
+
+def plain_tensor_copies(model: nn.Module, make: Callable[[torch.Tensor], Any], *,
+                        graph_only: bool = False, known: Container[int] = ()) -> dict[int, Any]:
+    """``deepcopy`` memo entries for the tensors a module keeps beside its weights and buffers.
+
+    Such a tensor (a recurrent state or cache the last forward left in an attribute:
+    RecurrentGemma's ``recurrent_states``) cannot be deep-copied under fake tensors at all (its
+    real storage cannot back a fake tensor), nor anywhere once autograd made it (not a graph
+    leaf), so no copy of such a model could be made once it had run: ``make(detached)`` stands
+    in for each (``graph_only``: only for those autograd made; ``known``: ids that have their
+    copy already, the weights: no second copy is made, which under the estimate's tracker would
+    count until the garbage collector freed it)."""
+    skip = ("_parameters", "_buffers", "_modules")
+    memo: dict[int, Any] = {}
+
+    def visit(value: Any, depth: int) -> None:  # tensors, and lists / dicts of them: not configs
+        if isinstance(value, torch.Tensor):
+            if not (graph_only and value.is_leaf) and id(value) not in memo and id(value) not in known:
+                memo[id(value)] = make(value.detach())
+        elif depth < 3 and isinstance(value, (list, tuple, dict)):
+            for item in value.values() if isinstance(value, dict) else value:
+                visit(item, depth + 1)
+
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key not in skip:
+                visit(value, 0)
+    return memo
 
 def fake_step(
     model: nn.Module,
@@ -151,12 +240,15 @@ def fake_step(
     steps: int = 2,
     keep_output: bool = False,
     step: StepFn | None = None,
+    read_second: bool = True,
 ) -> tuple[int, dict[str, int], str]:
     """(peak bytes, parts at the peak, phase of the peak) of ``steps`` steps on fake tensors.
 
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
     ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
     keeps stays alive until the next step's forward returns, as in a loop (:class:`LoopOutput`).
+    ``read_second``: the second step's peak is read from the first step's timeline
+    (:mod:`.steady_state`: half the time); False runs it.
     """
     tracker = LiveBytes(device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -169,21 +261,37 @@ def fake_step(
         opt = make_optimizer(optimizer, fake.parameters(), foreach=device.type == "cuda") if training else None
         hooks = phase_hooks(fake, opt, tracker)
         last = LoopOutput(fake)  # the previous output dies when the next forward returns
+        timeline = None
+        if training and steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
+            tracker.phase, tracker.part = "after step", "temporaries"
+            timeline = tracker.timeline = Timeline(PARTS)
+            tracker.note_peak()
+            hooks.append(fake.register_forward_hook(lambda *_: timeline.forward_returned()))
         try:
-            for index in range(steps if training else 1):
+            for index in range(1 if timeline is not None else steps if training else 1):
                 if index == 1:  # gradients and optimizer state now exist: measure the steady state
                     tracker.restart_peak()
                 last.keep(training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
                                         training=training, device_type=device.type,
                                         keep_output=keep_output, step=step))
                 tracker.phase, tracker.part = "after step", "temporaries"
+            if timeline is not None:
+                result = timeline.second_step(functools.partial(_drop_grads, fake), lambda: last.keep(None))
         finally:
             last.close()
             for handle in hooks:
                 handle.remove()
-        result = (tracker.peak, dict(tracker.at_peak), tracker.peak_phase)
+        if timeline is None:
+            result = (tracker.peak, dict(tracker.at_peak), tracker.peak_phase)
+        tracker.timeline = None
         del fake, batch, opt
     return result
+
+
+def _drop_grads(model: nn.Module) -> None:
+    """What the next step's ``zero_grad(set_to_none=True)`` frees first."""
+    for p in model.parameters():
+        p.grad = None
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ def check_fit(peak: int, low: int, high: int, device_type: str, target: Any, *,
         label = f"gpu{getattr(target, 'index', '')} ({name})"
         free = int(target.memory_free)
         low, expected, high = gpu_range(peak, convolutions=convolutions,
-                                        hopper=any(h in name for h in _HOPPER))
+                                        hopper=any(h in name for h in _HOPPER),
+                                        workspaces_counted=device_type == "cuda")
         util = getattr(target, "utilization", None)
         load = f"; it is {util:.0f} % busy" if isinstance(util, (int, float)) and util >= 50 else ""
         if high <= free:

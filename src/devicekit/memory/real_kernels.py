@@ -8,18 +8,33 @@ buffer the meta kernel leaves empty, and autograd keeps that buffer alive until 
   returns 0 bytes. The formula below reproduces oneDNN's layout (``rnn_utils.cpp``) and is
   checked byte for byte against the real kernel in ``tests/memory/test_real_kernels.py``.
 * ``aten._cudnn_rnn`` (LSTM, GRU, RNN on CUDA): cuDNN's reserve space; the meta kernel returns
-  0 bytes. cuDNN does not document its size: estimated as the gates, cell states and outputs
-  of every step of every layer (what the backward needs); not yet checked on a GPU.
+  0 bytes. cuDNN does not document its size: sized from the H200 measurement
+  (:func:`~devicekit.memory.cuda_terms.cudnn_rnn_reserve_bytes`). Its fifth output, the flat
+  weight buffer, is None from the meta kernel when the weights are separate tensors (as a fake
+  model's are; a real GPU module is flattened by ``.cuda()``): an empty tensor stands in, so the
+  backward is not refused for it.
+* ``aten._cudnn_rnn_backward`` has no fake kernel at all (torch would run the real cuDNN
+  kernel on zero-filled inputs, and fail without the flat weights): :func:`missing_fake_kernel`
+  gives its outputs their shapes, and :func:`transient_bytes` the workspace cuDNN allocates
+  for the op's duration.
+
+* ``aten._grouped_mm`` (transformers' default mixture-of-experts layers): its meta kernel
+  demands bf16, CUDA's rule, while the CPU kernel multiplies fp32 too, so an fp32 MoE on the
+  CPU failed on fake tensors only: :func:`missing_fake_kernel` gives the CPU op its output's
+  shape (the meta kernel's shape rules) for any other dtype. The shapes do not depend on the
+  routing (the groups' offsets are values of a fixed-size tensor).
 
 GRU and RNN on CPU run the same native ops for real and under fake tensors (compared op by
 op in the test), so they need nothing here.
 
 Usage::
 
-    from devicekit.memory.real_kernels import real_outputs
+    from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
 
-    out = func(*args, **kwargs)                              # inside a dispatch mode, fake
+    out = missing_fake_kernel(func, args)                    # None: torch has a fake kernel
+    out = func(*args, **kwargs) if out is None else out      # inside a dispatch mode, fake
     out = real_outputs(func, args, out)                      # workspaces sized as for real
+    extra = transient_bytes(func, args)                      # held only while the op runs
 """
 
 from __future__ import annotations
@@ -27,12 +42,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["cudnn_reserve_bytes", "mkldnn_lstm_workspace_bytes", "real_outputs"]
+from devicekit.memory.cuda_terms import cudnn_rnn_reserve_bytes, cudnn_rnn_workspace_bytes
+
+__all__ = ["cudnn_reserve_bytes", "missing_fake_kernel", "mkldnn_lstm_workspace_bytes", "real_outputs",
+           "transient_bytes"]
 
 _PAGE = 4096
 _MKLDNN_LSTM = 2                       # the mode number torch passes for an LSTM
-_CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # cudnn mode: RNN_RELU, RNN_TANH, LSTM, GRU
 
 
 def _pages(size: int) -> int:
@@ -55,10 +73,9 @@ def mkldnn_lstm_workspace_bytes(steps: int, batch: int, input_size: int, hidden:
 
 
 def cudnn_reserve_bytes(steps: int, batch: int, hidden: int, layers: int, directions: int,
-                        gates: int, element_size: int) -> int:
-    """Estimated bytes of cuDNN's reserve space: every step's gates, cell and output, per layer."""
-    per_step = batch * hidden * (gates + 2) * element_size
-    return layers * directions * steps * per_step
+                        mode: int, element_size: int) -> int:
+    """Bytes of cuDNN's reserve space (``mode``: 0/1 RNN, 2 LSTM, 3 GRU), as measured on an H200."""
+    return cudnn_rnn_reserve_bytes(steps, batch, hidden, layers, directions, mode, element_size)
 
 
 def _mkldnn_rnn_layer(args: tuple[Any, ...], out: Any) -> Any:
@@ -75,30 +92,111 @@ def _mkldnn_rnn_layer(args: tuple[Any, ...], out: Any) -> Any:
     return (*out[:3], torch.empty(size, dtype=torch.uint8, device=workspace.device))
 
 
+def _rnn_shape(x: torch.Tensor, batch_first: bool, batch_sizes: Any) -> tuple[int, int]:
+    """(steps, batch) of a cuDNN RNN's input."""
+    if len(batch_sizes):                    # packed: the steps are the rows of the batch sizes
+        return len(batch_sizes), int(batch_sizes[0])
+    return (int(x.shape[1]), int(x.shape[0])) if batch_first else (int(x.shape[0]), int(x.shape[1]))
+
+
 def _cudnn_rnn(args: tuple[Any, ...], out: Any) -> Any:
     x = args[0]
     mode, hidden, layers, batch_first, train, bidirectional, batch_sizes = (
         args[6], args[7], args[9], args[10], args[12], args[13], args[14])
-    reserve = out[3]
+    reserve, weight_buf = out[3], out[4]
+    if weight_buf is None:                  # separate weights: the backward still wants a tensor
+        weight_buf = x.new_empty(0)
     if not train or reserve is None or reserve.numel() > 0:
-        return out
-    if len(batch_sizes):                    # packed: the steps are the rows of the batch sizes
-        steps, batch = len(batch_sizes), int(batch_sizes[0])
+        return (*out[:4], weight_buf, *out[5:])
+    steps, batch = _rnn_shape(x, batch_first, batch_sizes)
+    size = cudnn_reserve_bytes(steps, batch, int(hidden), int(layers), 2 if bidirectional else 1,
+                               int(mode), x.element_size())
+    return (*out[:3], torch.empty(size, dtype=torch.uint8, device=reserve.device), weight_buf, *out[5:])
+
+
+def _like(t: Any) -> Any:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if t is not None else None
+
+
+def _cudnn_rnn_backward(args: tuple[Any, ...]) -> Any:
+    """(grad input, grad hx, grad cx, grad weights) shaped as cuDNN returns them."""
+    x, weights, hx, cx, mask = args[0], args[1], args[4], args[5], args[21]
+    return (_like(x) if mask[0] else None, _like(hx) if mask[1] else None,
+            _like(cx) if mask[2] and cx is not None else None,
+            [_like(w) for w in weights] if mask[3] else [])
+
+
+def _cudnn_rnn_backward_workspace(args: tuple[Any, ...]) -> int:
+    x, grad_output = args[0], args[7]
+    mode, hidden, layers, batch_first, bidirectional, batch_sizes = (
+        args[10], args[11], args[13], args[14], args[17], args[18])
+    steps, batch = _rnn_shape(x, batch_first, batch_sizes)
+    size = cudnn_rnn_workspace_bytes(steps, batch, int(hidden), int(layers), 2 if bidirectional else 1,
+                                     int(mode), x.element_size())
+    grad_hy, grad_cy, mask = args[8], args[9], args[21]
+    hx, cx, output = args[4], args[5], args[6]
+    if grad_output is None or not grad_output.is_contiguous():   # zeros, or a contiguous copy
+        size += _nbytes(output)
+    # torch fills the missing grads of the states with zeros, and cuDNN computes every input
+    # grad whether it is wanted or not (dropped when the op returns)
+    size += (_nbytes(hx) if grad_hy is None else 0) + (_nbytes(cx) if grad_cy is None else 0)
+    size += (0 if mask[0] else _nbytes(x)) + (0 if mask[1] else _nbytes(hx)) + (0 if mask[2] else _nbytes(cx))
+    return size
+
+
+def _nbytes(t: Any) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _grouped_mm_on_cpu(args: tuple[Any, ...]) -> Any:
+    """The output of ``_grouped_mm(a, b, offs)`` on the CPU in a dtype the meta kernel refuses
+    (it accepts bf16 only), shaped as torch's meta kernel shapes it; None otherwise."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else None
+    out_dtype = args[4] if len(args) > 4 and args[4] is not None else a.dtype
+    if not isinstance(a, FakeTensor):                 # a real step (the CPU fallback): run it
+        return None
+    if a.device.type != "cpu" or a.dtype == torch.bfloat16 or a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        return None
+    if a.dim() == 2 and b.dim() == 2:
+        if offs is None:
+            return None
+        shape = [offs.shape[0], a.shape[0], b.shape[1]]
+    elif a.dim() == 2:
+        shape = [a.shape[0], b.shape[-1]]
+    elif b.dim() == 2:
+        shape = [a.shape[1], b.shape[1]]
     else:
-        steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-    size = cudnn_reserve_bytes(int(steps), int(batch), int(hidden), int(layers),
-                               2 if bidirectional else 1, _CUDNN_GATES.get(int(mode), 4),
-                               x.element_size())
-    return (*out[:3], torch.empty(size, dtype=torch.uint8, device=reserve.device), *out[4:])
+        shape = [a.shape[0], a.shape[1], b.shape[-1]]
+    return torch.empty(shape, dtype=out_dtype, device=a.device)
 
 
 _CORRECTIONS = {
     "aten::mkldnn_rnn_layer": _mkldnn_rnn_layer,
     "aten::_cudnn_rnn": _cudnn_rnn,
 }
+_MISSING = {"aten::_cudnn_rnn_backward": _cudnn_rnn_backward, "aten::_grouped_mm": _grouped_mm_on_cpu}
+_TRANSIENT = {"aten::_cudnn_rnn_backward": _cudnn_rnn_backward_workspace}
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "name", lambda: "")()
 
 
 def real_outputs(func: Any, args: tuple[Any, ...], out: Any) -> Any:
     """``out`` with the buffers the real kernel would return (sized, never filled)."""
-    correct = _CORRECTIONS.get(getattr(func, "name", lambda: "")())
+    correct = _CORRECTIONS.get(_name(func))
     return correct(args, out) if correct is not None else out
+
+
+def missing_fake_kernel(func: Any, args: tuple[Any, ...]) -> Any:
+    """The outputs of an op torch has no fake kernel for (empty tensors of the real shapes), or
+    None: call the op."""
+    make = _MISSING.get(_name(func))
+    return make(args) if make is not None else None
+
+
+def transient_bytes(func: Any, args: tuple[Any, ...]) -> int:
+    """Bytes the real kernel allocates beyond its outputs and frees before it returns."""
+    size = _TRANSIENT.get(_name(func))
+    return size(args) if size is not None else 0

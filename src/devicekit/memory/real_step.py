@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.memory.fake_step import LiveBytes, phase_hooks
+from devicekit.memory.fake_step import LiveBytes, phase_hooks, plain_tensor_copies
 from devicekit.memory.step import (
     LoopOutput,
     OptimizerSpec,
@@ -95,7 +95,7 @@ def _peaks_at(model: nn.Module, sample: Any, batch: int, *, optimizer: Optimizer
               precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
               keep_output: bool, step: StepFn | None) -> dict[str, tuple[int, dict[str, int]]]:
     """Phase -> (peak, parts at it) of the second of two real CPU steps at ``batch``."""
-    real = copy.deepcopy(model).cpu()
+    real = copy.deepcopy(model, plain_tensor_copies(model, torch.Tensor.clone, graph_only=True)).cpu()
     tracker = LiveBytes("cpu")
     for t in [*real.parameters(), *real.buffers()]:
         tracker.track(t, "weights")
