@@ -335,8 +335,8 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
     optimizer step's hardly grows, the forward's and backward's grow with the activations, so
     the phase that peaks at a small batch need not be the one that peaks at ``batch``.
     """
-    if batch <= _MEASURE_AT_BATCH:  # small enough to run as asked: no extrapolation at all
-        b1, b2 = max(1, batch // 2), batch
+    if batch <= _MEASURE_AT_BATCH:  # small enough to run as asked: one batch, no extrapolation
+        b1 = b2 = batch
     else:
         b1 = max(_MEASURE_AT_BATCH // 2, min(batch // 4, 64))
         b2 = 2 * b1
@@ -358,7 +358,7 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
             " them from its sample)") from cause
 
     def line(y1: float, y2: float) -> int:
-        if b2 == b1:  # a batch of 1: measured as it is
+        if b2 == b1:  # the batch asked for: measured as it is
             return max(round(y2), 0)
         return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
 
