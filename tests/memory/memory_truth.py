@@ -93,7 +93,9 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
             opt.step()
         return out
 
-    last = LoopOutput(model)  # as a loop: the previous output dies when the next forward returns
+    # as a loop: the previous output dies when the next forward returns; what a step= returns
+    # when the next step returns (``out = step(model, x)``)
+    last = LoopOutput(model, until_forward=step is None)
     tracker = LiveStorages()
     for t in [*model.parameters(), *model.buffers(), *tensors(sample)]:
         tracker.add(t)

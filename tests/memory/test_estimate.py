@@ -131,3 +131,11 @@ def test_a_sample_that_does_not_fit_the_model_names_the_shape() -> None:
         dk.estimate_memory(MODELS["mlp"][0](), torch.empty(2, 7), device="cpu")
     with pytest.raises(InvalidValueError, match="no tensor"):
         dk.estimate_memory(MODELS["mlp"][0](), "not a batch", device="cpu")
+
+
+def test_a_device_other_than_cpu_or_cuda_is_refused_in_one_line() -> None:
+    model = torch.nn.Linear(4, 4)
+    for bad, named in (("mps", "'mps'"), ("xpu", "'xpu'"), ("meta", "'meta'"), ("tpu", "'tpu'"), (3.5, "3.5")):
+        with pytest.raises(InvalidValueError, match=named) as info:
+            dk.estimate_memory(model, torch.empty(2, 4), device=bad)
+        assert "\n" not in str(info.value)

@@ -11,8 +11,8 @@ the peak of the step. Kernels whose fake version allocates less than the real on
 oneDNN workspace, cuDNN's reserve space) are sized as the real one (:mod:`.real_kernels`).
 
 What runs is the user's loop: ``step=fn`` runs ``fn(model, sample)`` (forward, loss,
-``backward()``, as the user's loop does; what it returns stays alive until the next forward
-returns), and
+``backward()``, as the user's loop does; what it returns is kept as ``out = step(model, x)``
+keeps it: through the whole next step), and
 devicekit adds the optimizer step. Without it the common loop is assumed: ``out = model(x);
 loss = crit(out, y); loss.backward()`` with ``out`` alive until the next forward returns (a
 loop rebinds ``out`` then, before the backward: :class:`~devicekit.memory.step.LoopOutput`), and
@@ -237,10 +237,11 @@ def estimate_memory(
     loss, loss_name = resolve_loss(loss_fn)
     if step is not None:
         loss_name = "computed by the step"
-        loop = f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step"
+        loop = (f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step; what it "
+                "returns kept through the next step (out = step(model, x))")
     else:
         loop = "out = model(x); loss(out).backward(); out kept until the next forward returns (assumed)"
-    target = torch.device(device) if device is not None else default_estimate_device()
+    target = _target(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "
                                 "cannot be traced here; use device='cpu'")
@@ -290,6 +291,20 @@ def estimate_memory(
         timings={k: round(v, 3) for k, v in timings.items()},
         _again=again if batch is not None else None,
     )
+
+
+def _target(device: str | torch.device | None) -> torch.device:
+    """The device the step is sized for: cpu or cuda (another device type would abort the
+    process inside torch's fake kernels, not raise)."""
+    if device is None:
+        return default_estimate_device()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidValueError(f"device {device!r} is not a device; give 'cpu' or 'cuda'") from None
+    if target.type not in ("cpu", "cuda"):
+        raise InvalidValueError(f"device {str(target)!r}: steps are sized for 'cpu' or 'cuda' only")
+    return target
 
 
 def _hopper() -> bool:
@@ -348,12 +363,13 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
     except Exception as exc:  # it fails for real too: the real error is the one to show
         # the default loop takes everything from the (resized) sample: its failure is the
         # model's; a step= may hold tensors of the full batch that a resize breaks
-        if kwargs.get("step") is None or (b2 == batch and not _ran_at(exc, b1)):
+        if kwargs.get("step") is None or (b2 == batch and (b1 == b2 or not _ran_at(exc, b1))):
             raise _failed(model, shapes, exc) from cause
+        at = f"steps that stand in at batch {b1} and {b2}" if b1 != b2 else f"step at batch {b2}"
         raise InvalidValueError(
             f"model {type(model).__name__}: fake tensors cannot run it"
-            f" ({type(cause).__name__}: {_first_line(cause)}), and the real CPU steps that stand"
-            f" in at batch {b1} and {b2} failed: {type(exc).__name__}: {_first_line(exc)}"
+            f" ({type(cause).__name__}: {_first_line(cause)}), and the real CPU {at}"
+            f" failed: {type(exc).__name__}: {_first_line(exc)}"
             " (a step= that holds tensors of the full batch, e.g. labels, cannot be resized: take"
             " them from its sample)") from cause
 

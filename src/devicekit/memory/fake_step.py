@@ -246,7 +246,8 @@ def fake_step(
 
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
     ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
-    keeps stays alive until the next step's forward returns, as in a loop (:class:`LoopOutput`).
+    keeps stays alive as in a loop (:class:`LoopOutput`): the output until the next step's
+    forward returns, a ``step``'s return value until the next step returns.
     ``read_second``: the second step's peak is read from the first step's timeline
     (:mod:`.steady_state`: half the time); False runs it.
     """
@@ -260,13 +261,16 @@ def fake_step(
             tracker.track(t, "inputs")
         opt = make_optimizer(optimizer, fake.parameters(), foreach=device.type == "cuda") if training else None
         hooks = phase_hooks(fake, opt, tracker)
-        last = LoopOutput(fake)  # the previous output dies when the next forward returns
+        # the previous output dies when the next forward returns; a step='s return value when
+        # the next step returns (``out = step(model, x)``)
+        last = LoopOutput(fake, until_forward=step is None)
         timeline = None
         if training and steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
             tracker.phase, tracker.part = "after step", "temporaries"
             timeline = tracker.timeline = Timeline(PARTS)
             tracker.note_peak()
-            hooks.append(fake.register_forward_hook(lambda *_: timeline.forward_returned()))
+            if step is None:  # a step='s return value lives to the step's end (the default)
+                hooks.append(fake.register_forward_hook(lambda *_: timeline.forward_returned()))
         try:
             for index in range(1 if timeline is not None else steps if training else 1):
                 if index == 1:  # gradients and optimizer state now exist: measure the steady state

@@ -104,7 +104,7 @@ def _peaks_at(model: nn.Module, sample: Any, batch: int, *, optimizer: Optimizer
         tracker.track(t, "inputs")
     opt = make_optimizer(optimizer, real.parameters())
     hooks = phase_hooks(real, opt, tracker)
-    last = LoopOutput(real)  # the previous output dies when the next forward returns
+    last = LoopOutput(real, until_forward=step is None)  # as in fake_step
     try:
         with tracker:
             for index in range(2):

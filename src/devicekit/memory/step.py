@@ -140,9 +140,9 @@ def training_step(
     ``training=False`` runs the forward only, under ``torch.no_grad()``. ``keep_output``: the
     output stays alive through the backward and is returned, as ``out = model(x); loss =
     crit(out, y); loss.backward()`` keeps it (the caller drops it when the next forward returns:
-    :class:`LoopOutput`). ``step(model,
-    sample)`` replaces forward, loss and backward with the user's own; what it returns is
-    returned (kept alive the same way).
+    :class:`LoopOutput`). ``step(model, sample)`` replaces forward, loss and backward with the
+    user's own; what it returns is returned (the caller keeps it as ``out = step(model, x)``
+    does: until the next step returns).
     """
     dtype = parse_precision(precision)
     if device_type is None:
@@ -178,19 +178,21 @@ class LoopOutput:
     """What a training loop keeps of its last step, for as long as a real loop keeps it.
 
     ``out = model(x); loss = crit(out, y); loss.backward()`` rebinds ``out`` as soon as the next
-    forward returns, so the previous step's output is gone before the next backward. A forward
+    forward returns, so the previous step's output is gone before the next backward: a forward
     hook on the model drops the previous value when the model's next forward returns (its first
-    call in a step); :meth:`keep` holds the new one. A ``step=`` that returns its output is
-    treated the same. Usage::
+    call in a step); :meth:`keep` holds the new one. A ``step=`` is called as ``out =
+    step(model, x)``: what it returns is rebound only when the next call returns, so with
+    ``until_forward=False`` the previous value lives through the whole next step (a step that
+    returns nothing keeps nothing). Usage::
 
         with LoopOutput(model) as last:
             for _ in range(2):
                 last.keep(training_step(model, sample, opt, keep_output=True))
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, until_forward: bool = True) -> None:
         self._value: list[Any] = []
-        self._handle = model.register_forward_hook(self._drop)
+        self._handle = model.register_forward_hook(self._drop) if until_forward else None
 
     def _drop(self, *_: Any) -> None:
         self._value.clear()
@@ -205,7 +207,8 @@ class LoopOutput:
 
     def close(self) -> None:
         self._value.clear()
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
 
     def __enter__(self) -> LoopOutput:
         return self
