@@ -142,13 +142,14 @@ def accelerate_estimate(model: nn.Module) -> tuple[int, str]:
 
 def memtracker_peak(model: nn.Module, sample: Any, *, step: Callable[[nn.Module, Any], Any] | None) -> int:
     """Peak bytes of two real Adam steps on CPU by torch's MemTracker; the loop keeps the output
-    (or what ``step`` returns) until the next forward returns, as the truth's loop does."""
+    until the next forward returns (what ``step`` returns: until the next step returns, as
+    ``out = step(model, x)``), as the truth's loop does."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = make_optimizer("adam", model.parameters())
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker, LoopOutput(model) as last:
+    with tracker, LoopOutput(model, until_forward=step is None) as last:
         for _ in range(2):
             if step is None:
                 last.keep(training_step(model, sample, opt, loss_fn=cross_entropy_loss, keep_output=True))
