@@ -5,7 +5,8 @@ outlived the two steps after the one that made them. Those already inside a meas
 explained; for the rest :func:`~devicekit.memory.leaks.reach.find_paths` finds the shortest
 named path from the loop's variables, and every container (or exception) on that path that can
 be re-read by name (``model.1._forward_hooks``, ``MyModel.cache``, ``opt.param_groups``,
-``pending_logs``, an ``lru_cache``, ``self.last_error``) becomes a holder, measured from then on
+``pending_logs``, an ``lru_cache``, ``self.last_error``; and, for a tensor kept directly under an
+object's attribute, that object's ``__dict__`` or a module's ``_modules``) becomes a holder, measured from then on
 like the ones named up front. Which of them leaks is left to the measurement: only the container
 that gains something every step grows. Searches are bounded: a kind of tensor (dtype, shape,
 autograd state) found nowhere is searched again at most every few steps; such unnamed survivors
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from devicekit.memory.leaks.holders import Holder
+from devicekit.memory.leaks.holders import NOT_NAMESPACES, Holder
 from devicekit.memory.leaks.reach import LRU_TYPE, Edge, find_paths, is_user_class
 from devicekit.memory.leaks.survivors import SurvivorWatch, signature
 from devicekit.memory.paths import CONTAINERS
@@ -240,6 +241,7 @@ def _candidates(root: Root, edges: list[Edge]) -> list[tuple[str, Holder, str]]:
     values = [root.get(), *(edge.value for edge in edges)]
     steps: list[tuple[str, Any]] = []
     resolvable = True
+    names: tuple[str, Holder, str] | None = None  # the last object whose attribute keeps it
     for index, value in enumerate(values[:-1]):  # the last value is the tensor itself
         if index > 0:
             step = edges[index - 1].step
@@ -254,4 +256,34 @@ def _candidates(root: Root, edges: list[Edge]) -> list[tuple[str, Holder, str]]:
             in_module = index > 0 and isinstance(values[index - 1], torch.nn.Module)
             via = "".join(edge.label for edge in edges[index:])
             found.append((path, Holder(path, root.origin, in_module, root, tuple(steps)), via))
+            names = None
+        elif (attrs := _attribute_dict(value, edges[index].step)) is not None:
+            # kept under an attribute of an object (no container of the user's after it): that
+            # object's attribute dict (or a module's `_modules`) holds it, and grows if a new
+            # name is added every step (`setattr(obj, f"act_{step}", h)`)
+            path = root.name + "".join(edge.label for edge in edges[:index]) + "." + attrs
+            via = "".join(edge.label for edge in edges[index:])
+            names = (path, Holder(path, root.origin, isinstance(value, torch.nn.Module), root,
+                                  (*steps, ("attr", attrs))), via)
+    if names is not None:
+        found.append(names)
     return found
+
+
+def _attribute_dict(value: Any, step: tuple[str, Any] | None) -> str | None:
+    """``"__dict__"`` or ``"_modules"``: which attribute dict of ``value`` the attribute
+    ``step`` reads; None when ``step`` reads no instance attribute of an object."""
+    if step is None or step[0] != "attr" or issubclass(type(value), NOT_NAMESPACES):
+        return None
+    try:
+        attrs = vars(value)
+    except Exception:  # noqa: BLE001 - no __dict__, or an object that fails to give it
+        return None
+    if type(attrs) is not dict:
+        return None
+    if step[1] in attrs:
+        return "__dict__"
+    submodules = attrs.get("_modules")
+    if isinstance(value, torch.nn.Module) and type(submodules) is dict and step[1] in submodules:
+        return "_modules"
+    return None

@@ -17,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,11 +25,11 @@ from typing import Any
 
 import torch
 
-from devicekit.memory.leaks.reach import is_user_class
+from devicekit.memory.leaks.reach import GENERATORS, is_user_class
 from devicekit.memory.paths import CONTAINERS, Found, resolve, walk
 from devicekit.memory.roots import MISSING, Root, is_plain_value, is_user_file
 
-__all__ = ["Holder", "discover"]
+__all__ = ["NOT_NAMESPACES", "Holder", "discover", "namespaces"]
 
 #: what can be a holder: tensors, containers, and an exception (its traceback keeps frames)
 _HOLDS = (torch.Tensor, *CONTAINERS, BaseException)
@@ -75,6 +76,48 @@ def discover(roots: Iterable[Root], *, max_depth: int = 2) -> dict[str, Holder]:
                 current = best.get(id(obj))
                 if current is None or rank < current[0]:
                     best[id(obj)] = (rank, holder)
+    return {holder.path: holder for _, holder in best.values()}
+
+
+#: objects whose attribute dict is never a holder: what they hold is named otherwise, or fixed
+NOT_NAMESPACES = (type, types.FunctionType, types.MethodType, types.ModuleType, types.BuiltinFunctionType,
+                  functools.partial, torch.Tensor, torch.optim.Optimizer, BaseException, *CONTAINERS, tuple,
+                  frozenset, *GENERATORS, types.FrameType, types.TracebackType)
+
+
+def namespaces(roots: Iterable[Root], *, max_depth: int = 2) -> dict[str, Holder]:
+    """The attribute dicts of the objects reachable from ``roots`` (``model.__dict__``,
+    ``state.__dict__``) and the submodule dicts of modules (``model._modules``): an object that
+    gains an attribute (or a submodule) under a new name every step is a growing container,
+    though no container of the user's holds what it keeps. Measured by the names added since
+    they were first seen (see :class:`~devicekit.memory.leaks.detector.LeakDetector`)."""
+    best: dict[int, tuple[tuple[int, int, int], Holder]] = {}
+    for root in roots:
+        value = root.get()
+        if value is MISSING or is_plain_value(value) or _is_own(value):
+            continue
+        for found in walk(root.name, value, max_depth=max_depth):
+            obj = found.value
+            cls = type(obj)  # not isinstance: a dead weak proxy raises on __class__
+            if issubclass(cls, NOT_NAMESPACES) or _is_own(obj):
+                continue
+            try:
+                attrs = vars(obj)
+            except Exception:  # noqa: BLE001 - no __dict__, or an object that fails to give it
+                continue
+            if type(attrs) is not dict:
+                continue
+            names = ["__dict__", "_modules"] if issubclass(cls, torch.nn.Module) else ["__dict__"]
+            for name in names:
+                held = attrs if name == "__dict__" else attrs.get("_modules")
+                if type(held) is not dict:
+                    continue
+                holder = Holder(f"{found.path}.{name}", root.origin, found.in_module or issubclass(cls, torch.nn.Module),
+                                root, found.steps + (("attr", name),))
+                rank = (0 if found.in_module else 1, _ORIGIN_RANK.get(root.origin, 9), len(found.steps))
+                current = best.get(id(held))
+                if current is None or rank < current[0]:
+                    best[id(held)] = (rank, holder)
     return {holder.path: holder for _, holder in best.values()}
 
 

@@ -37,6 +37,8 @@ KINDS = {
     "param_groups": "param groups added every step",
     "buffer_per_step": "buffers registered every step",
     "class_attribute": "class attribute grows",
+    "attr_per_step": "attributes added under new names every step",
+    "module_per_step": "submodules added every step",
 }
 
 #: steps the projection in reports speaks of ("+526 KiB/step = 5 GiB after 10,000 steps")

@@ -48,6 +48,10 @@ def pattern_of(holder: str, *, via: str, origin: str, is_lru: bool) -> str | Non
         return "param_groups"
     if last == "_buffers":
         return "buffer_per_step"
+    if last == "__dict__":
+        return "attr_per_step"
+    if last == "_modules":
+        return "module_per_step"
     if ".__traceback__" in via or ".tb_frame" in via:
         return "exception_frames"
     if ".gi_frame" in via:
@@ -85,6 +89,10 @@ def detail_of(kind: str, *, via: str, where: str, flags: Collection[str] = ()) -
         return "a param group added every step"
     if kind == "buffer_per_step":
         return "a buffer registered every step"
+    if kind == "attr_per_step":
+        return "a new attribute every step"
+    if kind == "module_per_step":
+        return "a submodule added every step"
     if kind == "class_attribute":
         return "a class attribute, shared by every instance"
     if "create_graph" in flags:
@@ -148,6 +156,17 @@ def fix_for(kind: str, holder: str, *, graph_alive: bool, has_graph: bool, graph
     if kind == "buffer_per_step":
         return ("`register_buffer` under a new name every step keeps every buffer: register it once in "
                 "`__init__` and update it in place (`self.buf.copy_(x)`)")
+    if kind == "attr_per_step":
+        owner = _owner(holder)
+        kept = " with its autograd graph" if has_graph else ""
+        return (f"`{owner}` gets an attribute under a new name every step (`setattr({owner}, f\"name_{{step}}\", x)`) "
+                f"and keeps every one{kept}: keep one attribute overwritten each step "
+                f"(`{owner}.last = x.detach()`), or a bounded `collections.deque(maxlen=N)` of `.detach()`ed values")
+    if kind == "module_per_step":
+        owner = _owner(holder)
+        return (f"a submodule is added to `{owner}` under a new name every step (`add_module`, or `setattr` of a "
+                f"module), and each keeps its parameters: create it once (in `__init__`, or before the loop) "
+                f"and reuse it")
     if kind == "class_attribute":
         return (f"`{holder}` is a class attribute: shared by every instance and never freed; keep it on "
                 f"the instance, bound it (`collections.deque(maxlen=N)`), or reset it "
@@ -181,12 +200,18 @@ def fix_for(kind: str, holder: str, *, graph_alive: bool, has_graph: bool, graph
     return f"`{holder}` keeps growing: release what it holds once it is used"
 
 
+def _owner(holder: str) -> str:
+    """``model.1.__dict__`` -> ``model[1]``: the object whose attribute dict ``holder`` is."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", holder.rsplit(".", 1)[0])
+
+
 def _fix_from_code(kind: str, holder: str, *, graph_alive: bool, has_graph: bool, graph_freed: bool,
                    flags: Collection[str], line: str) -> str:
     """Advice that only what the code does can choose: ``retain_graph`` chains, ``create_graph``
     results, running values rebuilt from each step's loss."""
     if not has_graph or kind in ("hook_per_step", "exception_frames", "suspended_frames", "lru_cache",
-                                 "param_groups", "buffer_per_step", "reference_cycle"):
+                                 "param_groups", "buffer_per_step", "reference_cycle", "attr_per_step",
+                                 "module_per_step"):
         return ""
     if "retain_graph" in flags and graph_alive:
         return (f"`{holder}` chains each step's graph onto the last one, and `backward(retain_graph=True)` "
