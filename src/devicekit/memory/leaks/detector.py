@@ -77,6 +77,7 @@ from devicekit.memory.leaks.judge import (
 )
 from devicekit.memory.leaks.lines import LineTracer
 from devicekit.memory.leaks.measure import Size, measure
+from devicekit.memory.leaks.new_names import NewNames
 from devicekit.memory.leaks.report import LeakReport
 from devicekit.memory.leaks.resume import (
     Chain,
@@ -149,11 +150,7 @@ class LeakDetector:
         self._code_roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_code_roots
         # attribute dicts (`model.__dict__`, `model._modules`), as last discovered; the names each
         # had when first seen; those measured (it gained a name that keeps memory); what it gained
-        self._spaces: dict[str, Holder] = {}
-        self._base: dict[str, frozenset[Any]] = {}
-        self._gaining: dict[str, Holder] = {}
-        self._added: dict[str, list[str]] = {}
-        self._views: dict[str, dict[str, Any]] = {}  # filled to measure, emptied right after
+        self._names = NewNames()
         self._step = 0
         self._started = False
         self._stopped = False
@@ -190,9 +187,7 @@ class LeakDetector:
         self._graphs.clear()
         self._frame[0] = None
         self._bound.clear()
-        self._spaces.clear()
-        self._gaining.clear()
-        self._views.clear()
+        self._names.clear()
         self._resume.clear()
         self._chains.clear()
         self._stopped = True
@@ -259,21 +254,15 @@ class LeakDetector:
             found = discover(roots)
             self._found = found if frame is None else {path: self._in_frame(h) for path, h in found.items()}
             spaces = namespaces(roots)
-            self._spaces = spaces if frame is None else {path: self._in_frame(h) for path, h in spaces.items()}
+            self._names.spaces = spaces if frame is None else {path: self._in_frame(h) for path, h in spaces.items()}
         if frame is not None:
             self._frame[0] = frame  # what holders under a local name read (see _in_frame)
-        for path, holder in self._spaces.items():
-            if path not in self._base:  # the names it has now are its own: only new ones can leak
-                names = holder.get()  # (after the frame is set: an older frame's locals stay as they are)
-                if type(names) is dict:
-                    self._base[path] = frozenset(names)
-                del names
+        # the names each attribute dict has now are its own (read after the frame is set: an
+        # older frame's locals stay as they are)
+        self._names.note_first_seen()
         holders = dict(self._found)
-        for path, holder in self._spaces.items():
-            if path not in self._gaining and self._gained(path, holder):
-                self._gaining[path] = holder
-        for path, holder in self._gaining.items():
-            holders.setdefault(path, self._spaces.get(path, holder))
+        for path, holder in self._names.gaining().items():
+            holders.setdefault(path, holder)
         for path, holder in self._discovery.holders.items():
             if path not in holders:
                 if frame is not None and path not in self._bound:
@@ -288,11 +277,7 @@ class LeakDetector:
         if unexplained:
             new = self._discovery.search(unexplained, roots + self._code_roots_of(frame), step, held,
                                          fixed_roots=frame is None)
-            for path, holder in new.items():  # an attribute dict found from the memory: its names now are its own
-                if path.endswith((".__dict__", "._modules")) and path not in self._base:
-                    names = holder.get()
-                    self._base[path] = frozenset(names) if type(names) is dict else frozenset()
-                    del names
+            self._names.note_first_seen(new)  # an attribute dict found from the memory
             self._record(new, step, hits, grew, seen, held)
             self._refresh(holders, self._discovery.through_held, step, hits, grew, seen)
         del unexplained
@@ -348,47 +333,16 @@ class LeakDetector:
                     self._line_of[path] = hits[path]
             series.append((step, size))
 
-    def _gained(self, path: str, holder: Holder) -> bool:
-        """Did an attribute dict gain a name (one that keeps memory) since it was first seen?"""
-        base = self._base.get(path)
-        names = holder.get()
-        if base is None or type(names) is not dict or len(names) == 0:
-            return False
-        return any(key not in base and _keeps(value) for key, value in list(names.items()))
-
     def _measure(self, path: str, value: Any, seen: set[int]) -> Size:
         """Measure; an attribute dict by the names it gained since it was first seen (its own
         attributes, a module's parameters, are not what a name added every step keeps)."""
-        if path not in self._base or type(value) is not dict:
+        view = self._names.view(path, value)
+        if view is None:
             return self._measure_held(path, value, seen)
-        view = self._fill(path, value)
         try:
             return self._measure_held(path, view, seen)
         finally:
             view.clear()  # the view keeps nothing alive between steps
-
-    def _fill(self, path: str, attrs: dict[Any, Any]) -> dict[str, Any]:
-        """The values under the names ``attrs`` gained (a submodule by its parameters and
-        buffers), in a dict that stays the same object: measured as a dict that grows."""
-        view = self._views.setdefault(path, {})
-        view.clear()
-        base = self._base[path]
-        names = self._added.setdefault(path, [])
-        for key, value in list(attrs.items()):
-            if key in base or not isinstance(key, str) or key.startswith("__"):
-                continue
-            if isinstance(value, torch.nn.Module):
-                parts = [*value.named_parameters(), *value.named_buffers()]
-                view.update((f"{key}.{name}", tensor) for name, tensor in parts)
-                if not parts:
-                    continue
-            elif _keeps(value):
-                view[key] = value
-            else:
-                continue
-            if len(names) < 3 and key not in names:
-                names.append(key)
-        return view
 
     def _measure_held(self, path: str, value: Any, seen: set[int]) -> Size:
         """Measure; a list of tensors is measured by what was appended since the last step (its
@@ -451,8 +405,8 @@ class LeakDetector:
             via, is_lru = self._discovery.pattern(path)
             post = [size for step, size in series if step >= self.warmup]
             leak = holder_leak(path, post, self._info[path], self._line_of.get(path, ("", 0)), via=via, is_lru=is_lru)
-            if leak is not None and self._added.get(path):  # the names it gained: `act_1, act_2, ...`
-                leak = dataclasses.replace(leak, detail=f"{leak.detail}: {', '.join(self._added[path])}, ...")
+            if leak is not None and self._names.added(path):  # the names it gained: `act_1, act_2, ...`
+                leak = dataclasses.replace(leak, detail=f"{leak.detail}: {', '.join(self._names.added(path))}, ...")
             if leak is not None:
                 leaks.append(leak)
         leaks = most_specific(leaks, self._inside)
@@ -507,14 +461,6 @@ class LeakDetector:
         holder = max({s.holder for s in held}, key=lambda h: sum(s.holder == h for s in held))
         holder_type = next((s.holder_type for s in held if s.holder == holder), None)
         return self._line_of.get(f"type:{holder_type.__name__}" if holder_type else "", ("", 0))
-
-
-def _keeps(value: Any) -> bool:
-    """A value that can keep memory alive under an attribute: tensors, containers, exceptions,
-    modules (their parameters), numpy arrays."""
-    cls = type(value)  # not isinstance: a dead weak proxy raises on __class__
-    return (issubclass(cls, (torch.Tensor, torch.nn.Module, BaseException, tuple, *CONTAINERS))
-            or (cls.__name__ == "ndarray" and cls.__module__ == "numpy"))
 
 
 def _read_local(current: list[types.FrameType | None], name: str) -> Any:
