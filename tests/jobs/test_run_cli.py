@@ -293,9 +293,11 @@ def test_omp_threads_set_deliberately_for_several_processes(monkeypatch: pytest.
 def test_no_torchrun_omp_banner_and_the_ranks_get_the_value() -> None:
     env = child_env()
     env.pop("OMP_NUM_THREADS", None)
+    # one write() per rank: both ranks share the stdout pipe, and print()'s pieces from two
+    # ranks interleaved once in CI ("threadsthreads  11"); a write under PIPE_BUF is atomic
     done = subprocess.run(
         devicekit_command("run", "--procs", "2", "--", sys.executable, "-c",
-                          "import os; print('threads', os.environ['OMP_NUM_THREADS'])"),
+                          "import os; os.write(1, f\"threads {os.environ['OMP_NUM_THREADS']}\\n\".encode())"),
         env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr
     assert "Setting OMP_NUM_THREADS" not in done.stderr and "*****" not in done.stderr
