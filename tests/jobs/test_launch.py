@@ -107,10 +107,32 @@ def test_hanging_rank_is_named(no_leftover_children: None) -> None:
     assert "barrier" in err.stacks[0]  # rank 0 waits for it in a collective
 
 
+def _both_ranks_ready(rank: int) -> None:
+    """Wait (up to 60 s) until both ranks have started: on a loaded machine one rank can start
+    seconds after the other, and ``init(timeout=1)`` would time out in the rendezvous, not in
+    the barrier the test is about (CI once failed so: 'wait timeout after 1000ms' at init)."""
+    import tempfile
+
+    marks = Path(tempfile.gettempdir()) / f"dk-launch-sync-{os.environ['MASTER_PORT']}"
+    marks.mkdir(exist_ok=True)
+    (marks / str(rank)).touch()
+    deadline = time.monotonic() + 60
+    while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def barrier_with_timeout() -> object:
+    import shutil
+    import tempfile
+
     import torch
 
+    rank = int(os.environ["RANK"])
+    _both_ranks_ready(rank)
     dk.dist.init(timeout=1)
+    if rank == 0:
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"dk-launch-sync-{os.environ['MASTER_PORT']}",
+                      ignore_errors=True)
     if dk.dist.env().rank == 1:
         time.sleep(2.2)
         return torch.full((3,), 2.5)  # the rank exits at once (backend=None): sent by value
