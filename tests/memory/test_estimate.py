@@ -139,3 +139,23 @@ def test_a_device_other_than_cpu_or_cuda_is_refused_in_one_line() -> None:
         with pytest.raises(InvalidValueError, match=named) as info:
             dk.estimate_memory(model, torch.empty(2, 4), device=bad)
         assert "\n" not in str(info.value)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, decoder_x: torch.Tensor) -> torch.Tensor:
+        return self.dec(decoder_x) + self.enc(x)
+
+
+def test_a_model_that_wants_more_than_the_sample_is_pointed_to_step() -> None:
+    with pytest.raises(InvalidValueError, match="decoder_x.*takes your step: step= / --step") as info:
+        dk.estimate_memory(_TwoInputs(), torch.empty(4, 8), device="cpu")
+    assert "\n" not in str(info.value)
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model(x, x).sum().backward()
+
+    assert dk.estimate_memory(_TwoInputs(), torch.empty(4, 8), step=step, device="cpu").peak > 0

@@ -311,10 +311,12 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def _failed(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = False
-            ) -> InvalidValueError:
+def _failed(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = False,
+            own_loop: bool = False) -> InvalidValueError:
     """The refusal: the model failed on the sample (for real), or, ``fake``, only on fake
-    tensors (a forward-only or batch-less estimate cannot try real steps instead)."""
+    tensors (a forward-only or batch-less estimate cannot try real steps instead).
+    ``own_loop``: the assumed loop called the model (not the user's step), so a model that
+    wants other arguments is pointed to ``step=``."""
     first = _first_line(exc)
     shown = [tuple(t.shape) for t in tensors(shapes)]
     if fake:
@@ -322,8 +324,11 @@ def _failed(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = F
             f"model {type(model).__name__} cannot run on fake tensors for the sample {shown}"
             f" ({type(exc).__name__}: {first}), and without training and a batch dimension no real"
             " steps can stand in; pass training=True with a batched sample, or measure it")
+    hint = ("; the default loop calls model(sample) (a dict: model(**sample)): a model that needs"
+            " more (an encoder-decoder's decoder inputs or labels) takes your step: step= / --step"
+            if own_loop and isinstance(exc, (TypeError, ValueError)) else "")
     return InvalidValueError(f"model {type(model).__name__} failed on the sample {shown}:"
-                             f" {type(exc).__name__}: {first}")
+                             f" {type(exc).__name__}: {first}{hint}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -364,7 +369,7 @@ def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseExceptio
         # the default loop takes everything from the (resized) sample: its failure is the
         # model's; a step= may hold tensors of the full batch that a resize breaks
         if kwargs.get("step") is None or (b2 == batch and (b1 == b2 or not _ran_at(exc, b1))):
-            raise _failed(model, shapes, exc) from cause
+            raise _failed(model, shapes, exc, own_loop=kwargs.get("step") is None) from cause
         at = f"steps that stand in at batch {b1} and {b2}" if b1 != b2 else f"step at batch {b2}"
         raise InvalidValueError(
             f"model {type(model).__name__}: fake tensors cannot run it"
