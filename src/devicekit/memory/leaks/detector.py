@@ -78,7 +78,7 @@ from devicekit.memory.leaks.judge import (
 from devicekit.memory.leaks.lines import LineTracer
 from devicekit.memory.leaks.measure import Size, measure
 from devicekit.memory.leaks.new_names import NewNames
-from devicekit.memory.leaks.report import LeakReport
+from devicekit.memory.leaks.report import LeakReport, coverage_notes
 from devicekit.memory.leaks.resume import (
     Chain,
     Resumable,
@@ -426,22 +426,9 @@ class LeakDetector:
         leaks.sort(key=lambda leak: -leak.bytes_per_step)
         minor = [leak for leak in leaks if leak.severity == "minor"]
         leaks = [leak for leak in leaks if leak.severity != "minor"]
-        if self._step - self.warmup < 2:
-            notes.append(f"only {self._step} step(s) measured with warmup={self.warmup}: "
-                         f"a leak needs at least 2 steps after warm-up to show")
-        if any(leak.lineno == 0 for leak in leaks) and self.lines:
-            notes.append("some lines are unknown: the holder grew inside library code or only once traced")
-        if not self.lines:
-            notes.append("line attribution off (lines=False)")
-        if not self.cycles:
-            notes.append("cycles=False: reference cycles and memory no name reaches not checked")
-        post = [n for step, n in self._allocated if step >= self.warmup]
-        rate = growth(post)
-        explained = sum(leak.bytes_per_step for leak in leaks)
-        if rate is not None and explained < 0.5 * rate:
-            notes.append(f"CUDA memory allocated grows by {format_size(rate)}/step but the holders "
-                         f"found explain {format_size(explained)}/step: look at dk.memory.census() "
-                         f"between steps")
+        rate = growth([n for step, n in self._allocated if step >= self.warmup])
+        notes += coverage_notes(leaks, self._step, self.warmup, lines=self.lines, cycles=self.cycles,
+                                allocated_rate=rate)
         return LeakReport(leaks, self._step, self.warmup, len(self._series), self.lines, notes, minor)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from devicekit.units import format_size
 
-__all__ = ["Leak", "LeakReport", "KINDS"]
+__all__ = ["Leak", "LeakReport", "KINDS", "coverage_notes"]
 
 #: kind -> what it means, for people
 KINDS = {
@@ -155,3 +155,25 @@ class LeakReport:
             table.caption = "\n".join(self.notes)
             table.caption_justify = "left"
         return table
+
+
+def coverage_notes(leaks: list[Leak], steps: int, warmup: int, *, lines: bool, cycles: bool,
+                   allocated_rate: float | None) -> list[str]:
+    """What a report could not check or explain: too few steps, unknown lines, checks switched
+    off, CUDA growth (``allocated_rate`` bytes/step) the named holders do not explain."""
+    notes = []
+    if steps - warmup < 2:
+        notes.append(f"only {steps} step(s) measured with warmup={warmup}: "
+                     f"a leak needs at least 2 steps after warm-up to show")
+    if any(leak.lineno == 0 for leak in leaks) and lines:
+        notes.append("some lines are unknown: the holder grew inside library code or only once traced")
+    if not lines:
+        notes.append("line attribution off (lines=False)")
+    if not cycles:
+        notes.append("cycles=False: reference cycles and memory no name reaches not checked")
+    explained = sum(leak.bytes_per_step for leak in leaks)
+    if allocated_rate is not None and explained < 0.5 * allocated_rate:
+        notes.append(f"CUDA memory allocated grows by {format_size(allocated_rate)}/step but the holders "
+                     f"found explain {format_size(explained)}/step: look at dk.memory.census() "
+                     f"between steps")
+    return notes
