@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
 from devicekit.memory.draws import layer_kept_draw
+from devicekit.memory.fake_memo import OpMemo
 from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
 from devicekit.memory.steady_state import Timeline
 from devicekit.memory.step import LoopOutput, OptimizerSpec, StepFn, make_optimizer, training_step
@@ -55,6 +56,7 @@ PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "te
 #: on CUDA, the part that holds cuBLAS's workspaces and cuDNN's transient ones (:mod:`.cuda_terms`)
 CUDA_WORKSPACES = "cuda workspaces"
 _CUDA_BLOCK = 512
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class LiveBytes(TorchDispatchMode):
@@ -81,6 +83,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "setup"
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.timeline: Timeline | None = None   # set: every change recorded (:mod:`.steady_state`)
+        self.memo: OpMemo | None = None          # set: pure ops' outputs replayed (:mod:`.fake_memo`)
 
     def _size(self, storage: torch.UntypedStorage) -> int:
         size = storage.nbytes()
@@ -155,12 +158,23 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(item, (torch.Tensor, tuple, list)):
                     self._track_outputs(item)
 
+    def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if self.memo is None:
+            return func(*args, **kwargs)
+        out = self.memo.replay(func, args, kwargs)
+        if out is OpMemo.MISS:
+            out = func(*args, **kwargs)
+            self.memo.remember(func, args, kwargs, out)
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE_QUERY and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device   # ``x.device``, answered as FakeTensor would: RNNs ask each step
         kwargs = kwargs or {}
         out = layer_kept_draw(func, args, kwargs)   # LayerDrop: the step where every layer runs
         if out is None:
             out = missing_fake_kernel(func, args)   # cuDNN's RNN backward: no fake kernel in torch
-        out = real_outputs(func, args, func(*args, **kwargs) if out is None else out)
+        out = real_outputs(func, args, self._dispatch(func, args, kwargs) if out is None else out)
         self._track_outputs(out)
         if self.workspaces is not None:
             self._cuda_terms(func, args)
@@ -253,6 +267,7 @@ def fake_step(
     """
     tracker = LiveBytes(device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker.memo = OpMemo(fake_mode)
     with _quiet_fake_tensor_log(), fake_mode, tracker:
         fake = _fake_model(model, device, tracker)
         fake.train(training)
