@@ -202,3 +202,22 @@ def test_a_cuda_step_cannot_be_traced_on_a_cpu_only_torch() -> None:
             "    (w * 2).sum().backward()\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "cuda" in run.stderr.lower()
+
+
+def test_a_cuda_estimate_with_convolutions_says_what_it_leaves_out() -> None:
+    """cuDNN's convolution workspaces are not sized (cuda_terms): the answer says so, in words
+    and in its JSON, rather than state a peak the GPU will pass without a word."""
+    import dataclasses
+
+    import devicekit as dk
+
+    convs = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10))
+    convs(torch.empty(1, 3, 8, 8))
+    cpu = dk.estimate_memory(convs, torch.empty(2, 3, 8, 8))
+    assert cpu.convolutions and "cuDNN" not in str(cpu) and cpu.to_dict()["not in the peak"] == []
+    low, expected, high = gpu_range(cpu.peak, convolutions=True)
+    cuda = dataclasses.replace(cpu, device=torch.device("cuda"), low=low, expected=expected, high=high)
+    assert "not in the peak: cuDNN's convolution workspaces" in str(cuda)
+    assert "cuDNN" in cuda.to_dict()["not in the peak"][0]
+    plain = dataclasses.replace(cuda, convolutions=False)
+    assert "not in the peak" not in str(plain) and plain.to_dict()["not in the peak"] == []

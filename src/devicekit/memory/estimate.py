@@ -57,6 +57,11 @@ from devicekit.memory.real_step import fake_tensors_cannot_run, real_peaks
 from devicekit.memory.step import OptimizerSpec, StepFn, parse_precision, tensors
 from devicekit.units import format_size, parse_size
 
+#: what a CUDA estimate of a model with convolutions leaves out (:mod:`.cuda_terms`: not sized)
+_CONV_WORKSPACES = ("cuDNN's convolution workspaces: cuDNN picks them at run time, 0 to 130 MiB beyond "
+                    "the tensors on an H200 for the zoo's small CNNs, more for larger convolutions; "
+                    "leave that room, or size the batch on the GPU with dk.find_batch_size")
+
 __all__ = ["MemoryEstimate", "estimate_memory", "default_estimate_device"]
 
 
@@ -160,7 +165,8 @@ class MemoryEstimate:
                 "parameters": self.parameters, "seconds": round(self.seconds, 4), "timings": dict(self.timings),
                 "loss": self.loss, "loop": self.loop, "method": self.method,
                 "low": self.low, "expected": self.expected, "high": self.high,
-                "measures": "nvidia-smi" if self.device.type == "cuda" else "bytes allocated"}
+                "measures": "nvidia-smi" if self.device.type == "cuda" else "bytes allocated",
+                "not in the peak": [_CONV_WORKSPACES] if self.device.type == "cuda" and self.convolutions else []}
 
     def __str__(self) -> str:
         mode = f"training, optimizer {self.optimizer}" if self.training else "inference"
@@ -178,6 +184,8 @@ class MemoryEstimate:
                          f"to {format_size(self.high)}: "
                          "the peak above, plus the caching allocator's reserve, the CUDA context and "
                          "cuBLAS/cuDNN workspaces)")
+            if self.convolutions:
+                lines.append(f"  not in the peak: {_CONV_WORKSPACES}")
         else:
             lines.append("  (bytes allocated at the peak; no caching allocator on the CPU)")
         lines.append(f"  sized by: {self.method}")
