@@ -80,9 +80,11 @@ def where_time_went(spent: dict[str, float]) -> str:
     stages = sorted(spent.items(), key=lambda item: -item[1])
     line = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stages if seconds >= 0.05)
     why = {
-        "fake-tensor step": "each op of one step runs once on fake tensors (about 0.1 ms an op, "
-                            "in Python): RNN layers run several ops per time step, so a long "
-                            "sequence costs most; the first estimate in a process also warms torch",
+        "fake-tensor step": "each op of one step runs once on fake tensors, in Python (about "
+                            "0.1 ms for an op with shapes not yet seen, a fraction of that for a "
+                            "repeat): a step of many ops costs most, as RNN layers run several "
+                            "per time step of a long sequence; the first estimate in a process "
+                            "also warms torch",
         "real CPU steps": "fake tensors could not run the model, so real steps ran at two "
                           "smaller batches (see 'sized by')",
         "importing torch and devicekit": "torch's import, done once per process",
