@@ -49,13 +49,14 @@ def test_a_step_that_returns_nothing_and_no_optimizer() -> None:
     assert read == ran
 
 
-def test_an_lstm_within_one_bias_gradient() -> None:
-    """oneDNN's LSTM backward copies a bias gradient at another moment in the second step (the
-    first step's graph, kept alive by its output, changes the order): 4 KiB of 18 MiB."""
+def test_an_lstm_the_same() -> None:
+    """oneDNN's LSTM backward: the meta kernel returned one tensor for both bias gradients (the
+    real kernel two), so autograd copied it, or not where torch's fake cache had the op; the
+    read step was 4 KiB off the run one until real_kernels gave the backward two tensors."""
     case = ZOO["lstm"]
     torch.manual_seed(0)
     read, ran = _both(case.build(), case.sample(8), loss_fn=case.loss, keep_output=True)
-    assert abs(read[0] - ran[0]) <= 4096, (read[0], ran[0])
+    assert read == ran
 
 
 def test_workspaces_made_in_the_first_step_are_held_through_the_second(monkeypatch) -> None:

@@ -7,6 +7,8 @@ buffer the meta kernel leaves empty, and autograd keeps that buffer alive until 
   training workspace (gates, states, diff states, each section page-aligned); the meta kernel
   returns 0 bytes. The formula below reproduces oneDNN's layout (``rnn_utils.cpp``) and is
   checked byte for byte against the real kernel in ``tests/memory/test_real_kernels.py``.
+* ``aten.mkldnn_rnn_layer_backward``: the meta kernel returns one tensor for both bias
+  gradients, the real kernel two (autograd copied the shared one before accumulating it).
 * ``aten._cudnn_rnn`` (LSTM, GRU, RNN on CUDA): cuDNN's reserve space; the meta kernel returns
   0 bytes. cuDNN does not document its size: sized from the H200 measurement
   (:func:`~devicekit.memory.cuda_terms.cudnn_rnn_reserve_bytes`). Its fifth output, the flat
@@ -92,6 +94,15 @@ def _mkldnn_rnn_layer(args: tuple[Any, ...], out: Any) -> Any:
     return (*out[:3], torch.empty(size, dtype=torch.uint8, device=workspace.device))
 
 
+def _mkldnn_rnn_layer_backward(args: tuple[Any, ...], out: Any) -> Any:
+    """The real kernel returns the two bias gradients as two tensors; the meta kernel returns one
+    tensor twice, so autograd found it referenced twice and copied it before accumulating (and
+    torch's fake-tensor cache, on a hit, gives two: the estimate depended on what ran before)."""
+    if len(out) > 4 and out[3] is not None and out[3] is out[4]:
+        return (*out[:4], torch.empty_like(out[3]), *out[5:])
+    return out
+
+
 def _rnn_shape(x: torch.Tensor, batch_first: bool, batch_sizes: Any) -> tuple[int, int]:
     """(steps, batch) of a cuDNN RNN's input."""
     if len(batch_sizes):                    # packed: the steps are the rows of the batch sizes
@@ -173,6 +184,7 @@ def _grouped_mm_on_cpu(args: tuple[Any, ...]) -> Any:
 
 _CORRECTIONS = {
     "aten::mkldnn_rnn_layer": _mkldnn_rnn_layer,
+    "aten::mkldnn_rnn_layer_backward": _mkldnn_rnn_layer_backward,
     "aten::_cudnn_rnn": _cudnn_rnn,
 }
 _MISSING = {"aten::_cudnn_rnn_backward": _cudnn_rnn_backward, "aten::_grouped_mm": _grouped_mm_on_cpu}
