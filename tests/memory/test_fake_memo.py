@@ -121,13 +121,61 @@ def test_a_constant_argument_is_not_keyed() -> None:
     assert a.constant is not None and b.constant is not None
 
 
+class _BiLSTM(torch.nn.Module):
+    """Two bidirectional layers with dropout between them (oneDNN's LSTM, four calls a step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(32, 64, 2, bidirectional=True, batch_first=True, dropout=0.1)
+        self.head = torch.nn.Linear(128, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class _GRUCellLoop(torch.nn.Module):
+    """A hand-written recurrence: the same cell over each time step's slice (views at offsets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = torch.nn.GRUCell(16, 32), torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], 32)
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def _inplace_cnn() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                         nn.Conv2d(16, 16, 3, groups=4), nn.GroupNorm(4, 16), nn.SiLU(inplace=True),
+                         nn.ConvTranspose2d(16, 8, 2, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4))
+
+
+#: models the memo was not built with: name -> (build, sample)
+_OTHERS: dict[str, tuple[Any, Any]] = {
+    "bilstm-dropout": (_BiLSTM, lambda: torch.randn(4, 20, 32)),
+    "grucell-loop": (_GRUCellLoop, lambda: torch.randn(4, 30, 16)),
+    "inplace-cnn": (_inplace_cnn, lambda: torch.randn(4, 3, 16, 16)),
+    "nn.Transformer": (lambda: torch.nn.Transformer(32, 2, 1, 1, 64, batch_first=True),
+                       lambda: (torch.randn(4, 10, 32), torch.randn(4, 7, 32))),
+}
+
+
 def _zoo_model(name: str) -> tuple[torch.nn.Module, Any, Any, Any]:
-    case = ZOO[name]
     torch.manual_seed(0)
+    if name in _OTHERS:
+        build, sample = _OTHERS[name]
+        return build(), sample(), None, None
+    case = ZOO[name]
     return case.build(), case.sample(4), case.loss, case.precision
 
 
-_CASES = sorted(n for n in ZOO if n != "moe-routed")   # routed by values: sized by real steps
+#: the zoo (but the MoE routed by values: sized by real steps) and the others
+_CASES = sorted(n for n in ZOO if n != "moe-routed") + sorted(_OTHERS)
 
 
 @pytest.mark.parametrize("name", _CASES)
