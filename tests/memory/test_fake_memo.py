@@ -104,6 +104,8 @@ def test_a_view_its_schema_does_not_name_is_found_out_and_keyed_by_offset() -> N
     (aten.nonzero.default, "data-dependent shape"),
     (aten.add.out, "writes its out= argument"),
     (aten.t_.default, "an in-place view"),
+    (aten.resize_.default, "changes its argument's shape"),
+    (aten._resize_output_.default, "changes its argument's shape, though not tagged a view"),
 ])
 def test_ops_it_must_not_replay_are_never_keyed(func: Any, why: str) -> None:
     assert fake_memo._classify(func) == fake_memo._SKIP, why

@@ -165,7 +165,8 @@ def _classify(func: Any) -> str:
     """_NEW (writes nothing), _INPLACE (writes and returns its first argument) or _SKIP."""
     schema = getattr(func, "_schema", None)
     if (schema is None or getattr(func, "namespace", "") not in ("aten", "prims")
-            or any(tag in func.tags for tag in _UNSAFE_TAGS)):
+            or any(tag in func.tags for tag in _UNSAFE_TAGS)
+            or "resize" in func.name()):     # _resize_output_ changes its argument's shape, untagged
         return _SKIP
     written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     if not written:
