@@ -5,7 +5,8 @@ buffer the meta kernel leaves empty, and autograd keeps that buffer alive until 
 
 * ``aten.mkldnn_rnn_layer`` (``nn.LSTM`` on CPU, one call per layer and direction): oneDNN's
   training workspace (gates, states, diff states, each section page-aligned); the meta kernel
-  returns 0 bytes. The formula below reproduces oneDNN's layout (``rnn_utils.cpp``) and is
+  returns 0 bytes. The formula below reproduces oneDNN's layout (``rnn_utils.cpp``), in fp32
+  and in bf16 (autocast: the gates and states in bf16, the diff states in f32), and is
   checked byte for byte against the real kernel in ``tests/memory/test_real_kernels.py``.
 * ``aten.mkldnn_rnn_layer_backward``: the meta kernel returns one tensor for both bias
   gradients, the real kernel two (autograd copied the shared one before accumulating it).
@@ -59,19 +60,37 @@ def _pages(size: int) -> int:
     return -(-size // _PAGE) * _PAGE
 
 
-def _good_ld(dim: int) -> int:
-    """oneDNN's leading dimension: 64-byte aligned and not a multiple of 256 (4K aliasing)."""
-    ld = -(-dim // 16) * 16
-    return ld + 16 if ld % 256 == 0 else ld
+def _good_ld(dim: int, element_size: int) -> int:
+    """oneDNN's leading dimension (``get_good_ld``), in elements: a multiple of 64 bytes, one
+    64 bytes more when a multiple of 256 elements (4K aliasing)."""
+    block = 64 // element_size
+    ld = -(-dim // block) * block
+    return ld + block if ld % 256 == 0 else ld
 
 
-def mkldnn_lstm_workspace_bytes(steps: int, batch: int, input_size: int, hidden: int) -> int:
-    """Bytes of oneDNN's forward-training workspace for one LSTM layer and direction (fp32)."""
+def mkldnn_lstm_workspace_bytes(steps: int, batch: int, input_size: int, hidden: int,
+                                element_size: int = 4) -> int:
+    """Bytes of oneDNN's forward-training workspace for one LSTM layer and direction.
+
+    ``element_size`` is the input's: 4 (fp32) or 2 (bf16 under autocast or a bf16 module). The
+    gates, the h per step, the h states and the c states are in that type (``gates_t``,
+    ``ht_t``, ``src_layer_t``: the source type; torch hands oneDNN c in the input's type too),
+    their leading dimensions rounded to 64 bytes in it; the three diff-state sections stay f32
+    (``gemm_acc_t``) with the f32 leading dimension, so a bf16 workspace is about 70 % of the
+    fp32 one, not half. Each of the seven sections starts on a page. Checked byte for byte
+    against the real kernel in fp32 and bf16 (tests/memory/test_real_kernels.py). fp16 would
+    take the same layout (``all_f16``), but the CPU kernel refuses an fp16 LSTM on CPUs
+    without AVX512-FP16 / AVX2-VNNI-2, and an fp16 module does not reach oneDNN: unchecked.
+    """
+    e = element_size
     states = 2 * (steps + 1) * batch   # (layers + 1) x (steps + 1) x batch rows
-    return (_pages(steps * batch * _good_ld(4 * hidden) * 4)                   # gates
-            + 3 * _pages(states * _good_ld(max(input_size, hidden)) * 4)     # states, diff states
-            + _pages(steps * batch * _good_ld(hidden) * 4)                   # h per step
-            + 2 * _pages(states * hidden * 4))                               # c, diff c
+    width = max(input_size, hidden)
+    return (_pages(steps * batch * _good_ld(4 * hidden, e) * e)           # gates
+            + _pages(steps * batch * _good_ld(hidden, e) * e)             # h per step
+            + _pages(states * _good_ld(width, e) * e)                     # h states (layer = iter)
+            + _pages(states * hidden * e)                                 # c states
+            + 2 * _pages(states * _good_ld(width, 4) * 4)                 # diff h states, f32
+            + _pages(states * hidden * 4))                                # diff c states, f32
 
 
 def cudnn_reserve_bytes(steps: int, batch: int, hidden: int, layers: int, directions: int,
@@ -90,7 +109,8 @@ def _mkldnn_rnn_layer(args: tuple[Any, ...], out: Any) -> Any:
     # batch is hx's first dimension
     batch = int(hx.shape[0])
     steps = x.shape[0] if x.shape[1] == batch else x.shape[1]
-    size = mkldnn_lstm_workspace_bytes(int(steps), int(batch), int(w0.shape[1]), int(hidden))
+    size = mkldnn_lstm_workspace_bytes(int(steps), int(batch), int(w0.shape[1]), int(hidden),
+                                       x.element_size())
     return (*out[:3], torch.empty(size, dtype=torch.uint8, device=workspace.device))
 
 
