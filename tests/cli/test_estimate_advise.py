@@ -80,7 +80,8 @@ def test_advise_several_big_gpus_pick_ddp(simulate: Callable[..., Path]) -> None
 
 
 def test_advise_four_small_gpus_pick_fsdp(simulate: Callable[..., Path]) -> None:
-    small = {"name": "NVIDIA GeForce RTX 3060", "memory_total": "400MiB", "memory_used": "0GiB", "utilization": 0}
+    # sized on the CPU: each GPU also holds the CUDA context and cuBLAS workspaces (about 0.85 GiB)
+    small = {"name": "NVIDIA GeForce RTX 3060", "memory_total": "1400MiB", "memory_used": "0GiB", "utilization": 0}
     simulate([small] * 4)
     advice = dk.advise(*_big(), host_memory="64GiB")
     assert not next(r for r in advice.rows if r.name == "one GPU").fits
@@ -178,3 +179,45 @@ def test_ddp_row_adds_every_gradient_for_a_language_model() -> None:
     ddp = next(r for r in advice.rows if r.name.startswith("DDP"))
     grads = sum(p.numel() * 4 for p in model.parameters())
     assert ddp.memory_per_gpu == advice.estimate.peak + grads
+
+
+def _rtx3060(total: str = "12GiB") -> dict[str, object]:
+    return {"name": "NVIDIA GeForce RTX 3060", "memory_total": total, "memory_used": "0GiB", "utilization": 0}
+
+
+def test_advise_sized_on_the_cpu_adds_what_cuda_holds(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      simulate: Callable[..., Path]) -> None:
+    """A new user's report: a 10.8 GiB step sized on the CPU was said to fit a 12 GiB RTX 3060 with
+    10.8 GiB usable; on the GPU nvidia-smi shows about 11.7 GiB (10.6 to 14.1) with the CUDA context."""
+    simulate([_rtx3060()])
+    code, out, _ = run(capsys, monkeypatch, "advise", "fit_models:small_mlp", "--input", "1024", "--batch", "233879")
+    one = next(line for line in out.splitlines() if "one GPU" in line)
+    assert code == 0 and "may not fit: " in one and " fits: " not in one
+    assert "sized on the CPU; on a GPU nvidia-smi will show about" in one
+    assert "with the CUDA context and cuBLAS workspaces" in one and "12 GiB free, not the high end" in one
+    code, out, _ = run(capsys, monkeypatch, "advise", "fit_models:small_mlp", "--input", "1024", "--batch", "300000",
+                       "--json")
+    data = json.loads(out)
+    one = next(s for s in data["strategies"] if s["name"] == "one GPU")
+    assert code == 0 and not one["fits"] and data["nvidia-smi"]["low"] > 12 << 30
+    assert data["gpus"][0]["usable"] == 12 << 30      # free memory: the range replaces the 10 % headroom
+
+
+def test_advise_sized_on_the_cpu_one_rule_with_fits(simulate: Callable[..., Path]) -> None:
+    """Each verdict of the one-GPU row is est.fits(gpu)'s, from the same range; far below the card fits."""
+    model, sample = _big()
+    for total, mark in (("80GiB", "fits"), ("1500MiB", "may not fit"), ("1GiB", "does not fit")):
+        simulate([_rtx3060(total)])
+        advice = dk.advise(model, sample, host_memory="64GiB")
+        one = next(r for r in advice.rows if r.name == "one GPU")
+        gpu = dk.gpus()[0]
+        fit = advice.estimate.fits(gpu)
+        assert advice.estimate.device.type == "cpu" and advice.on_gpu is not None
+        assert (one.fits, one.tight) == (bool(fit), mark == "may not fit"), (total, str(advice))
+        assert f"{mark}: the step needs" in str(advice) and "CUDA context and cuBLAS workspaces" in one.reason
+        assert "sized on the CPU" in fit.reason
+        # the bare peak is far within each card's usable memory but 1 GiB: only the range says no
+        assert advice.estimate.peak < 0.9 * gpu.memory_total
+    roomy = dk.advise(model, sample, gpus=["80GiB"], host_memory="64GiB")
+    assert roomy.best.name == "one GPU" and roomy.best.fits and not roomy.best.tight
