@@ -117,7 +117,7 @@ def test_a_step_that_cannot_be_resized_is_said_so_not_blamed_on_the_sample(monke
     def no_fake(*_: Any, **__: Any) -> Any:
         raise RuntimeError("a fake kernel that refuses")
 
-    import devicekit.memory.estimate as estimate_module
+    import devicekit.memory.sizing as estimate_module
 
     monkeypatch.setattr(estimate_module, "fake_step", no_fake)
     with pytest.raises(InvalidValueError, match="take them from its sample"):

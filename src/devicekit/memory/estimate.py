@@ -48,12 +48,11 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.memory.cuda_terms import blas_workspaces_here
-from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, fake_step, resize_batch
+from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, resize_batch
 from devicekit.memory.fit_check import Fit, check_fit
 from devicekit.memory.gpu_overhead import gpu_range
 from devicekit.memory.losses import LossFn, resolve_loss
-from devicekit.memory.real_step import fake_tensors_cannot_run, real_peaks
+from devicekit.memory.sizing import size_step
 from devicekit.memory.step import OptimizerSpec, StepFn, parse_precision, tensors
 from devicekit.units import format_size, parse_size
 
@@ -258,27 +257,9 @@ def estimate_memory(
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": dtype, "loss_fn": loss,
                               "keep_output": step is None, "step": step}
     start = time.perf_counter()
-    method = "fake tensors (nothing allocated)"
-    timings: dict[str, float] = {}
-    try:
-        peak, parts, phase = fake_step(model, shapes, training=training, device=target, **kwargs)
-    except InvalidValueError:
-        raise
-    except Exception as exc:
-        # any fake-kernel failure (data-dependent shapes, a fake kernel stricter than the real
-        # one: _grouped_mm's accepts only bf16) is tried for real on the CPU; only a model that
-        # fails there too is refused, with the real error, so a sample that is fine is not blamed
-        if not (training and batch is not None):
-            raise _failed(model, shapes, exc, fake=not fake_tensors_cannot_run(exc)) from exc
-        timings["fake-tensor step (failed)"] = time.perf_counter() - start
-        peak, parts, phase, method = _extrapolated(model, shapes, batch, exc, kwargs)
-        timings["real CPU steps"] = time.perf_counter() - start - timings["fake-tensor step (failed)"]
-        if target.type == "cuda":  # CPU steps hold no cuBLAS workspace: assume forward and backward multiply
-            parts[CUDA_WORKSPACES] = 2 * blas_workspaces_here().cublas
-            peak += parts[CUDA_WORKSPACES]
+    sized = size_step(model, sample, shapes, batch, training=training, target=target, kwargs=kwargs)
+    peak, parts, phase, method, timings = sized.peak, sized.parts, sized.phase, sized.method, sized.timings
     seconds = time.perf_counter() - start
-    if not timings:
-        timings["fake-tensor step"] = seconds
 
     def again(b: int) -> MemoryEstimate:
         return estimate_memory(model, sample, optimizer=optimizer, precision=precision, training=training,
@@ -317,94 +298,3 @@ def _target(device: str | torch.device | None) -> torch.device:
 
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-def _failed(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = False,
-            own_loop: bool = False) -> InvalidValueError:
-    """The refusal: the model failed on the sample (for real), or, ``fake``, only on fake
-    tensors (a forward-only or batch-less estimate cannot try real steps instead).
-    ``own_loop``: the assumed loop called the model (not the user's step), so a model that
-    wants other arguments is pointed to ``step=``."""
-    first = _first_line(exc)
-    shown = [tuple(t.shape) for t in tensors(shapes)]
-    if fake:
-        return InvalidValueError(
-            f"model {type(model).__name__} cannot run on fake tensors for the sample {shown}"
-            f" ({type(exc).__name__}: {first}), and without training and a batch dimension no real"
-            " steps can stand in; pass training=True with a batched sample, or measure it")
-    hint = ("; the default loop calls model(sample) (a dict: model(**sample)): a model that needs"
-            " more (an encoder-decoder's decoder inputs or labels) takes your step: step= / --step"
-            if own_loop and isinstance(exc, (TypeError, ValueError)) else "")
-    return InvalidValueError(f"model {type(model).__name__} failed on the sample {shown}:"
-                             f" {type(exc).__name__}: {first}{hint}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:160] if text else ""
-
-
-def _ran_at(exc: BaseException, batch: int) -> bool:
-    """Whether ``exc`` came from the real step at ``batch`` (set by :func:`real_peaks`)."""
-    return getattr(exc, "devicekit_batch", None) == batch
-
-
-#: a batch up to this is measured by real CPU steps as asked; larger ones are extrapolated from
-#: two smaller ones (routing, bucketing and caches make a batch of 1 or 2 a poor guide: MoE
-#: models read 5-16 % low extrapolated from batches 1 and 2 to 4 in the transformers sweep)
-_MEASURE_AT_BATCH = 8
-
-
-def _extrapolated(model: nn.Module, shapes: Any, batch: int, cause: BaseException,
-                  kwargs: dict[str, Any]) -> tuple[int, dict[str, int], str, str]:
-    """Peak and parts at ``batch`` from two real CPU steps at small batches.
-
-    Each phase's peak (forward, backward, optimizer step) is a straight line in the batch: the
-    optimizer step's hardly grows, the forward's and backward's grow with the activations, so
-    the phase that peaks at a small batch need not be the one that peaks at ``batch``.
-    """
-    if batch <= _MEASURE_AT_BATCH:  # small enough to run as asked: one batch, no extrapolation
-        b1 = b2 = batch
-    else:
-        b1 = max(_MEASURE_AT_BATCH // 2, min(batch // 4, 64))
-        b2 = 2 * b1
-    try:  # the batch asked for first (when it is one of the two): its failure is the model's
-        second, first = (real_peaks(model, shapes, batches=(b2, b1), **kwargs) if b1 != b2
-                         else 2 * real_peaks(model, shapes, batches=(b2,), **kwargs))
-    except InvalidValueError:
-        raise
-    except Exception as exc:  # it fails for real too: the real error is the one to show
-        # the default loop takes everything from the (resized) sample: its failure is the
-        # model's; a step= may hold tensors of the full batch that a resize breaks
-        if kwargs.get("step") is None or (b2 == batch and (b1 == b2 or not _ran_at(exc, b1))):
-            raise _failed(model, shapes, exc, own_loop=kwargs.get("step") is None) from cause
-        at = f"steps that stand in at batch {b1} and {b2}" if b1 != b2 else f"step at batch {b2}"
-        raise InvalidValueError(
-            f"model {type(model).__name__}: fake tensors cannot run it"
-            f" ({type(cause).__name__}: {_first_line(cause)}), and the real CPU {at}"
-            f" failed: {type(exc).__name__}: {_first_line(exc)}"
-            " (a step= that holds tensors of the full batch, e.g. labels, cannot be resized: take"
-            " them from its sample)") from cause
-
-    def line(y1: float, y2: float) -> int:
-        if b2 == b1:  # the batch asked for: measured as it is
-            return max(round(y2), 0)
-        return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
-
-    best: tuple[int, dict[str, int], str] = (-1, {}, "")
-    for phase, (p2, parts2) in second.items():
-        p1, parts1 = first.get(phase, (p2, parts2))
-        peak = line(p1, p2)
-        if peak > best[0]:
-            parts = {k: line(parts1.get(k, 0), parts2.get(k, 0)) for k in PARTS}
-            best = (peak, parts, phase)
-    peak, parts, phase = best
-    parts["activations"] += peak - sum(parts.values())   # the line of the sum, not of the parts
-    if parts["activations"] < 0:
-        parts["temporaries"] += parts["activations"]
-        parts["activations"] = 0
-    why = (f"its shapes depend on values, {type(cause).__name__}" if fake_tensors_cannot_run(cause)
-           else f"{type(cause).__name__}: {_first_line(cause)}")
-    at = (f"real CPU steps at batch {b1} and {b2}, extrapolated to batch {batch}" if b2 != batch
-          else f"real CPU steps at batch {batch}")
-    return peak, parts, phase, f"{at} (fake tensors cannot run it: {why})"

@@ -39,7 +39,7 @@ from devicekit.memory.step import (
 )
 from devicekit.placement.walk import map_tensors
 
-__all__ = ["fake_tensors_cannot_run", "real_peaks"]
+__all__ = ["fake_tensors_cannot_run", "has_values", "real_peaks"]
 
 _DATA_DEPENDENT = ("DynamicOutputShapeException", "DataDependentOutputException",
                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException",
@@ -56,7 +56,24 @@ def fake_tensors_cannot_run(exc: BaseException) -> bool:
     return False
 
 
-def _real_sample(sample: Any, batch: int) -> Any:
+def has_values(sample: Any) -> bool:
+    """Whether every tensor of ``sample`` holds values (none is on the meta device or fake)."""
+    found = list(tensors(sample))
+    return bool(found) and not any(t.is_meta or type(t).__name__ == "FakeTensor" for t in found)
+
+
+def _real_sample(sample: Any, batch: int, values: Any = None) -> Any:
+    """``sample`` at ``batch`` on the CPU: the rows of ``values`` (cut, or repeated in turn, to
+    ``batch`` rows) where given, else stand-ins (random normals, zeros, True)."""
+    if values is not None:
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().cpu()
+            if not t.dim():
+                return t.clone()
+            return t[torch.arange(batch) % t.shape[0]]
+
+        return map_tensors(values, rows)
+
     def make(t: torch.Tensor) -> torch.Tensor:
         shape = [batch, *t.shape[1:]] if t.dim() else []
         if t.is_floating_point():
@@ -70,9 +87,10 @@ def _real_sample(sample: Any, batch: int) -> Any:
 
 def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optimizer: OptimizerSpec,
                precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-               keep_output: bool, step: StepFn | None,
+               keep_output: bool, step: StepFn | None, values: Any = None,
                ) -> list[dict[str, tuple[int, dict[str, int]]]]:
-    """Per batch: phase -> (peak, parts at it) of the second of two real CPU steps."""
+    """Per batch: phase -> (peak, parts at it) of the second of two real CPU steps, on rows of
+    ``values`` (the caller's sample, with values) or on stand-ins shaped as ``sample``."""
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         raise InvalidValueError(f"model {type(model).__name__} is on the meta device and its shapes "
                                 "depend on values, so neither fake nor real steps can size it; "
@@ -82,7 +100,7 @@ def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optim
         try:
             results.append(_peaks_at(model, sample, batch, optimizer=optimizer,
                                      precision=precision, loss_fn=loss_fn,
-                                     keep_output=keep_output, step=step))
+                                     keep_output=keep_output, step=step, values=values))
         except InvalidValueError:
             raise
         except Exception as exc:
@@ -93,13 +111,14 @@ def real_peaks(model: nn.Module, sample: Any, *, batches: tuple[int, ...], optim
 
 def _peaks_at(model: nn.Module, sample: Any, batch: int, *, optimizer: OptimizerSpec,
               precision: torch.dtype | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-              keep_output: bool, step: StepFn | None) -> dict[str, tuple[int, dict[str, int]]]:
+              keep_output: bool, step: StepFn | None, values: Any = None,
+              ) -> dict[str, tuple[int, dict[str, int]]]:
     """Phase -> (peak, parts at it) of the second of two real CPU steps at ``batch``."""
     real = copy.deepcopy(model, plain_tensor_copies(model, torch.Tensor.clone, graph_only=True)).cpu()
     tracker = LiveBytes("cpu")
     for t in [*real.parameters(), *real.buffers()]:
         tracker.track(t, "weights")
-    data = _real_sample(sample, batch)
+    data = _real_sample(sample, batch, values)
     for t in tensors(data):
         tracker.track(t, "inputs")
     opt = make_optimizer(optimizer, real.parameters())

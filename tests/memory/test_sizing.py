@@ -1,0 +1,116 @@
+"""How a step is sized when fake tensors are not the whole story (devicekit.memory.sizing): a
+newcomer's models that the estimate under-counted by 40-94 % without a word, or ran real steps
+at batch 128 to find a shape error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import devicekit as dk
+from devicekit.errors import InvalidValueError
+from devicekit.memory import sizing
+from devicekit.memory.losses import cross_entropy_loss
+from tests.memory.memory_truth import measured_peak
+
+
+class _Trim(nn.Module):
+    """Drops the padding columns (token 0) before the layers, as many LM pipelines do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ff, self.head = nn.Embedding(1000, 64), nn.Linear(64, 256), nn.Linear(256, 1000)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens[:, :max(int((tokens != 0).sum(1).max()), 1)]
+        return self.head(torch.relu(self.ff(self.emb(tokens))))
+
+
+def test_real_steps_run_on_the_callers_own_rows_when_the_shapes_follow_the_values() -> None:
+    torch.manual_seed(0)
+    model, tokens = _Trim(), torch.randint(1, 1000, (32, 128))     # no padding: every column kept
+    est = dk.estimate_memory(model, tokens)
+    truth = measured_peak(model, tokens, loss_fn=cross_entropy_loss)
+    assert abs(est.peak / truth - 1) <= 0.02, (est.peak, truth)      # zeros as tokens: -90 %
+    assert "rows of the batch you gave" in est.method
+
+
+def test_a_sample_of_shapes_only_says_its_stand_in_values_are_not_the_data() -> None:
+    torch.manual_seed(0)
+    est = dk.estimate_memory(_Trim(), torch.empty(32, 128, dtype=torch.long, device="meta"))
+    assert "stand-in values" in est.method and "pass a real batch" in est.method
+
+
+class _Survival(nn.Module):
+    """Stochastic depth written 'run the block when the draw is below the survival rate'."""
+
+    def __init__(self, survival: float = 0.8) -> None:
+        super().__init__()
+        self.survival = survival
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(6))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if torch.rand(1) < self.survival:
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_layers_run_below_a_rate_are_sized_as_all_running() -> None:
+    """The draw just below 1 that keeps LayerDrop's layers skipped every one of these (-75 %)."""
+    x = torch.randn(64, 64)
+    torch.manual_seed(0)
+    est = dk.estimate_memory(_Survival(), x)
+    torch.manual_seed(0)
+    every_block = measured_peak(_Survival(survival=1.0), x, loss_fn=cross_entropy_loss)
+    assert est.peak == every_block
+    assert "6 one-number random draw(s)" in est.method and "the larger kept" in est.method
+
+
+def test_a_model_without_draws_is_sized_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[int] = []
+    size_once = sizing._size_once
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(1)
+        return size_once(*args, **kwargs)
+
+    monkeypatch.setattr(sizing, "_size_once", counted)
+    est = dk.estimate_memory(nn.Linear(8, 4), torch.randn(16, 8))
+    assert len(runs) == 1 and "draw" not in est.method
+
+
+class _WrongHead(nn.Module):
+    """A head sized for 8x8 images, given 16x16 ones: it fails for real, at any batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).flatten(1))
+
+
+def test_a_real_failure_is_found_by_one_sample_not_by_batches_of_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[tuple[int, ...]] = []
+    real_peaks = sizing.real_peaks
+
+    def recorded(*args: Any, batches: tuple[int, ...], **kwargs: Any) -> Any:
+        tried.append(batches)
+        return real_peaks(*args, batches=batches, **kwargs)
+
+    monkeypatch.setattr(sizing, "real_peaks", recorded)
+    with pytest.raises(InvalidValueError, match=r"failed on the sample \[\(512, 3, 16, 16\)\]: RuntimeError"):
+        dk.estimate_memory(_WrongHead(), torch.empty(512, 3, 16, 16, device="meta"))
+    assert tried == [(1,)]
+
+
+def test_real_steps_that_cannot_fit_this_machine_are_refused_not_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sizing, "real_peaks", lambda *a, **k: pytest.fail("a real step was tried"))
+    with pytest.raises(InvalidValueError, match=r"need at least .*more than half of this machine's free memory"):
+        dk.estimate_memory(nn.Linear(10, 10), torch.empty(64, 100000, 100000, 100000, device="meta"))
