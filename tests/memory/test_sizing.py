@@ -114,3 +114,40 @@ def test_real_steps_that_cannot_fit_this_machine_are_refused_not_tried(monkeypat
     monkeypatch.setattr(sizing, "real_peaks", lambda *a, **k: pytest.fail("a real step was tried"))
     with pytest.raises(InvalidValueError, match=r"need at least .*more than half of this machine's free memory"):
         dk.estimate_memory(nn.Linear(10, 10), torch.empty(64, 100000, 100000, 100000, device="meta"))
+
+
+class _Positive(nn.Module):
+    """Keeps the positive entries: a shape that depends on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[x > 0].reshape(-1, 4)[:2])
+
+
+def _refused(**kwargs: Any) -> str:
+    with pytest.raises(InvalidValueError) as caught:
+        dk.estimate_memory(**kwargs)
+    return str(caught.value)
+
+
+def test_each_refusal_names_its_cause() -> None:
+    """A newcomer's list: the two forward-only refusals were swapped, a failing step was blamed
+    on the model, a frozen model was pointed at its sample, a long sample was sized."""
+    said = _refused(model=_Positive(), sample=torch.randn(8, 4), training=False)
+    assert "cannot run on fake tensors" in said and "depend on values" in said
+    said = _refused(model=nn.Linear(10, 10), sample=torch.zeros(8, 11), training=False)
+    assert said.startswith("model Linear failed on the sample [(8, 11)]: RuntimeError")
+
+    def bad_step(model: nn.Module, x: torch.Tensor) -> None:
+        raise ValueError("step blew up")
+
+    said = _refused(model=nn.Linear(10, 10), sample=torch.zeros(8, 10), step=bad_step)
+    assert said.startswith("your step bad_step (model Linear) failed on the sample")
+    said = _refused(model=nn.ReLU(), sample=torch.zeros(8, 10))
+    assert "no trainable parameters" in said and "optimizer=None" in said
+    for sample in (torch.zeros(8, 10, dtype=torch.long), torch.empty(8, 10, dtype=torch.long, device="meta")):
+        said = _refused(model=nn.Linear(10, 10), sample=sample)
+        assert "failed on the sample [(8, 10)]" in said and "float32 and int64" in said

@@ -18,8 +18,10 @@ from devicekit.errors import InvalidValueError
 __all__ = ["load_factory", "load_function", "parse_inputs"]
 
 _DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": "bfloat16",
-           "bfloat16": "bfloat16", "fp16": "float16", "half": "float16", "long": "int64",
-           "int64": "int64", "int": "int32", "int32": "int32", "bool": "bool"}
+           "bfloat16": "bfloat16", "fp16": "float16", "half": "float16", "float16": "float16",
+           "double": "float64", "float64": "float64", "long": "int64", "int64": "int64",
+           "int": "int32", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+           "bool": "bool"}
 
 
 def load_function(spec: str, what: str = "model", form: str = "MODULE:FACTORY") -> Any:
@@ -64,10 +66,12 @@ def parse_inputs(text: str, batch: int) -> Any:
         try:
             shape = [int(d) for d in shape_text.lower().split("x")] if shape_text else []
         except ValueError:
-            shape = [-1]
-        if not shape or any(d < 1 for d in shape):
-            raise InvalidValueError(f"input shape {item.strip()!r} does not parse; write it like 3x224x224 "
-                                    "or 128:long (without the batch dimension)")
+            shape = []
+        if not shape:
+            raise InvalidValueError(f"--input {text!r}: shape {item.strip()!r} does not parse; write it like "
+                                    "3x224x224 or 128:long (without the batch dimension), comma-separated")
+        if any(d < 1 for d in shape):
+            raise InvalidValueError(f"--input {text!r}: every dimension of {item.strip()!r} must be at least 1")
         dtype_name = _DTYPES.get(dtype_text.lower() or "float")
         if dtype_name is None:
             raise InvalidValueError(f"input dtype {dtype_text!r} is unknown; use one of {', '.join(_DTYPES)}")

@@ -252,6 +252,10 @@ def estimate_memory(
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "
                                 "cannot be traced here; use device='cpu'")
+    if training and optimizer is not None and not any(p.requires_grad for p in model.parameters()):
+        raise InvalidValueError(f"model {type(model).__name__} has no trainable parameters, so the "
+                                "optimizer has nothing to step: pass optimizer=None (--optimizer none) "
+                                "to size the forward and backward, or training=False (--inference)")
     shapes = resize_batch(sample, batch_size)
     batch = _batch_of(shapes)
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": dtype, "loss_fn": loss,

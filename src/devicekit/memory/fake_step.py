@@ -170,6 +170,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _DEVICE_QUERY and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
             return args[0].fake_device   # ``x.device``, answered as FakeTensor would: RNNs ask each step
+        if func in _SAME_DTYPE_OPS:
+            _check_same_dtype(func, args)
         kwargs = kwargs or {}
         out = layer_kept_draw(func, args, kwargs)   # LayerDrop: the step where every layer runs
         if out is None:
@@ -179,6 +181,19 @@ class LiveBytes(TorchDispatchMode):
         if self.workspaces is not None:
             self._cuda_terms(func, args)
         return out
+
+
+#: matrix products whose real kernels refuse operands of different dtypes, and whose fake
+#: kernels do not (a long sample fed to a Linear was sized, not refused)
+_SAME_DTYPE_OPS = frozenset(getattr(torch.ops.aten, name).default for name in
+                            ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot"))
+
+
+def _check_same_dtype(func: Any, args: Any) -> None:
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+    if len(dtypes) > 1:
+        raise RuntimeError(f"{func.name()}: the operands must have the same dtype, got "
+                           f"{' and '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}")
 
 
 def resize_batch(sample: Any, batch_size: int | None) -> Any:

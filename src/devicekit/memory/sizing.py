@@ -97,7 +97,7 @@ def _size_once(model: nn.Module, sample: Any, shapes: Any, batch: int | None, *,
         # one: _grouped_mm's accepts only bf16) is tried for real on the CPU; only a model that
         # fails there too is refused, with the real error, so a sample that is fine is not blamed
         if not (training and batch is not None):
-            raise refusal(model, shapes, exc, fake=not fake_tensors_cannot_run(exc)) from exc
+            raise refusal(model, shapes, exc, fake=fake_tensors_cannot_run(exc), step=kwargs.get("step")) from exc
         failed = time.perf_counter() - start
         peak, parts, phase, method = _extrapolated(model, sample, shapes, batch, exc, kwargs)
         timings = {"fake-tensor step (failed)": failed, "real CPU steps": time.perf_counter() - start - failed}
@@ -108,23 +108,25 @@ def _size_once(model: nn.Module, sample: Any, shapes: Any, batch: int | None, *,
 
 
 def refusal(model: nn.Module, shapes: Any, exc: BaseException, *, fake: bool = False,
-            own_loop: bool = False) -> InvalidValueError:
-    """The refusal: the model failed on the sample (for real), or, ``fake``, only on fake
-    tensors (a forward-only or batch-less estimate cannot try real steps instead).
-    ``own_loop``: the assumed loop called the model (not the user's step), so a model that
-    wants other arguments is pointed to ``step=``."""
+            own_loop: bool = False, step: Any = None) -> InvalidValueError:
+    """The refusal: the model (with the caller's ``step``, if any) failed on the sample for real,
+    or, ``fake``, its shapes depend on values and a forward-only or batch-less estimate has no
+    real steps to stand in. ``own_loop``: the assumed loop called the model (not the caller's
+    step), so a model that wants other arguments is pointed to ``step=``."""
     first = _first_line(exc)
     shown = [tuple(t.shape) for t in tensors(shapes)]
     if fake:
         return InvalidValueError(
             f"model {type(model).__name__} cannot run on fake tensors for the sample {shown}"
-            f" ({type(exc).__name__}: {first}), and without training and a batch dimension no real"
-            " steps can stand in; pass training=True with a batched sample, or measure it")
+            f" ({type(exc).__name__}: {first}): its shapes depend on values, and a forward-only"
+            " (training=False, --inference) or batch-less estimate has no real steps to stand in;"
+            " estimate the training step with a batched sample, or measure it")
     hint = ("; the default loop calls model(sample) (a dict: model(**sample)): a model that needs"
             " more (an encoder-decoder's decoder inputs or labels) takes your step: step= / --step"
             if own_loop and isinstance(exc, (TypeError, ValueError)) else "")
-    return InvalidValueError(f"model {type(model).__name__} failed on the sample {shown}:"
-                             f" {type(exc).__name__}: {first}{hint}")
+    who = (f"model {type(model).__name__}" if step is None else
+           f"your step {getattr(step, '__name__', 'fn')} (model {type(model).__name__})")
+    return InvalidValueError(f"{who} failed on the sample {shown}: {type(exc).__name__}: {first}{hint}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -193,7 +195,7 @@ def _extrapolated(model: nn.Module, sample: Any, shapes: Any, batch: int, cause:
         # the default loop takes everything from the (resized) sample: its failure is the
         # model's; a step= may hold tensors of the full batch that a resize breaks
         if own_loop or (b2 == batch and (b1 == b2 or not _ran_at(exc, b1))):
-            raise refusal(model, shapes, exc, own_loop=own_loop) from cause
+            raise refusal(model, shapes, exc, own_loop=own_loop, step=kwargs.get("step")) from cause
         at = f"steps that stand in at batch {b1} and {b2}" if b1 != b2 else f"step at batch {b2}"
         raise InvalidValueError(
             f"model {type(model).__name__}: fake tensors cannot run it"
