@@ -17,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from devicekit.memory.draws import layer_kept_draw
-from devicekit.memory.step import LoopOutput, make_optimizer, tensors, training_step
+from devicekit.memory.step import (
+    LoopOutput,
+    make_optimizer,
+    parse_precision,
+    tensors,
+    training_step,
+)
 
 __all__ = ["LiveStorages", "measured_peak"]
 
@@ -88,7 +95,9 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
                                  keep_output=keep_output)
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        out = step(model, sample)
+        dtype = parse_precision(precision)  # the estimate runs a step= under autocast: so does the truth
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            out = step(model, sample)
         if opt is not None:
             opt.step()
         return out
