@@ -96,7 +96,7 @@ class _WrongHead(nn.Module):
         return self.head(self.conv(x).flatten(1))
 
 
-def test_a_real_failure_is_found_by_one_sample_not_by_batches_of_128(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_real_failure_is_found_by_two_samples_not_by_batches_of_128(monkeypatch: pytest.MonkeyPatch) -> None:
     tried: list[tuple[int, ...]] = []
     real_peaks = sizing.real_peaks
 
@@ -107,7 +107,7 @@ def test_a_real_failure_is_found_by_one_sample_not_by_batches_of_128(monkeypatch
     monkeypatch.setattr(sizing, "real_peaks", recorded)
     with pytest.raises(InvalidValueError, match=r"failed on the sample \[\(512, 3, 16, 16\)\]: RuntimeError"):
         dk.estimate_memory(_WrongHead(), torch.empty(512, 3, 16, 16, device="meta"))
-    assert tried == [(1,)]
+    assert tried == [(2,)]
 
 
 def test_real_steps_that_cannot_fit_this_machine_are_refused_not_tried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,3 +151,18 @@ def test_each_refusal_names_its_cause() -> None:
     for sample in (torch.zeros(8, 10, dtype=torch.long), torch.empty(8, 10, dtype=torch.long, device="meta")):
         said = _refused(model=nn.Linear(10, 10), sample=sample)
         assert "failed on the sample [(8, 10)]" in said and "float32 and int64" in said
+
+
+def test_the_first_try_is_not_refused_by_batch_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fake step fails for a reason of its own, the try at a small batch must not fail
+    for a reason of the batch's (batch norm in training refuses a batch of 1)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    fake_step = sizing.fake_step
+
+    def stricter(*args: Any, **kwargs: Any) -> Any:   # a fake kernel stricter than the real one
+        raise RuntimeError("a fake kernel that refuses")
+
+    monkeypatch.setattr(sizing, "fake_step", stricter)
+    est = dk.estimate_memory(model, torch.randn(64, 8))
+    assert est.peak > 0 and "real CPU steps" in est.method
+    monkeypatch.setattr(sizing, "fake_step", fake_step)

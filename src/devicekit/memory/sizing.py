@@ -13,8 +13,8 @@ the wrong step to size, and each is handled here:
   has values (a real batch, tiled or cut to the batch measured), since the shapes follow the
   values; a sample of shapes only (meta tensors, the CLI's ``--input``) gets zeros, random
   normals and True, and the answer says those are not the caller's data. Before the batches
-  that stand in, one real step at batch 1 tells a model that fails for real (a shape error)
-  at the cost of one sample, and real steps that would not fit in this machine's free memory
+  that stand in, one real step at batch 2 tells a model that fails for real (a shape error)
+  at the cost of two samples (not one: batch norm refuses a batch of 1 in training), and real steps that would not fit in this machine's free memory
   are refused rather than tried.
 
 Usage (what :func:`~devicekit.memory.estimate.estimate_memory` does)::
@@ -49,6 +49,9 @@ __all__ = ["Sized", "refusal", "size_step"]
 #: two smaller ones (routing, bucketing and caches make a batch of 1 or 2 a poor guide: MoE
 #: models read 5-16 % low extrapolated from batches 1 and 2 to 4 in the transformers sweep)
 _MEASURE_AT_BATCH = 8
+#: a failure that may be the model's own is first tried at this batch (batch norm in training
+#: refuses a batch of 1)
+_PROBE_BATCH = 2
 #: real steps may use at most this share of the memory this machine has free
 _REAL_STEP_SHARE = 0.5
 
@@ -177,11 +180,11 @@ def _extrapolated(model: nn.Module, sample: Any, shapes: Any, batch: int, cause:
             f" at least {format_size(needed)}, more than half of this machine's free memory"
             f" ({format_size(free)}); check the sample's shapes, or estimate a smaller model") from cause
     values = sample if has_values(sample) else None
-    # maybe a real failure (a shape error): one sample tells, before the batches that stand in
-    # (not with a step=, which may hold tensors of the full batch that a batch of 1 breaks)
-    if own_loop and not fake_tensors_cannot_run(cause) and b2 > 1:
+    # maybe a real failure (a shape error): two samples tell, before the batches that stand in
+    # (not with a step=, which may hold tensors of the full batch that a small batch breaks)
+    if own_loop and not fake_tensors_cannot_run(cause) and b2 > _PROBE_BATCH:
         try:
-            real_peaks(model, shapes, values=values, batches=(1,), **kwargs)
+            real_peaks(model, shapes, values=values, batches=(_PROBE_BATCH,), **kwargs)
         except InvalidValueError:
             raise
         except Exception as exc:
