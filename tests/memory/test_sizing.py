@@ -146,6 +146,8 @@ def test_each_refusal_names_its_cause() -> None:
 
     said = _refused(model=nn.Linear(10, 10), sample=torch.zeros(8, 10), step=bad_step)
     assert said.startswith("your step bad_step (model Linear) failed on the sample")
+    said = _refused(model=nn.Linear(10, 10), sample=torch.zeros(8, 10), step=lambda m, x: m(x).sum())
+    assert "made no gradients" in said and "loss.backward()" in said
     said = _refused(model=nn.ReLU(), sample=torch.zeros(8, 10))
     assert "no trainable parameters" in said and "optimizer=None" in said
     for sample in (torch.zeros(8, 10, dtype=torch.long), torch.empty(8, 10, dtype=torch.long, device="meta")):

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from devicekit.errors import InvalidValueError
 from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
 from devicekit.memory.draws import layer_kept_draw
 from devicekit.memory.fake_memo import OpMemo
@@ -309,6 +310,11 @@ def fake_step(
                                         training=training, device_type=device.type,
                                         keep_output=keep_output, step=step))
                 tracker.phase, tracker.part = "after step", "temporaries"
+            if training and step is not None and not any(p.grad is not None for p in fake.parameters()):
+                raise InvalidValueError(
+                    f"your step {getattr(step, '__name__', 'fn')} made no gradients: it runs the "
+                    "forward and the loss, and must call loss.backward() too (devicekit adds the "
+                    "optimizer step); for a forward only, pass training=False")
             if timeline is not None:
                 result = timeline.second_step(functools.partial(_drop_grads, fake), lambda: last.keep(None))
         finally:
