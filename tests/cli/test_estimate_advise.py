@@ -224,3 +224,24 @@ def test_advise_sized_on_the_cpu_one_rule_with_fits(simulate: Callable[..., Path
         assert advice.estimate.peak < 0.9 * gpu.memory_total
     roomy = dk.advise(model, sample, gpus=["80GiB"], host_memory="64GiB")
     assert roomy.best.name == "one GPU" and roomy.best.fits and not roomy.best.tight
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "no_such_module_xyz:build", "--input", "3"],
+    ["estimate", "fit_models:small_mlp", "--input", "3xfoo"],
+    ["advise", "fit_models:small_mlp", "--input", "0"],
+])
+def test_a_wrong_argument_is_told_before_torch_is_imported(argv: list[str]) -> None:
+    """torch's import takes seconds: a wrong model name or --input is checked before it."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['devicekit', *{argv!r}]\n"
+            "try:\n    runpy.run_module('devicekit', run_name='__main__')\n"
+            "except SystemExit as exit:\n    print('exit', exit.code)\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2] / "docs" / "examples")
+    assert "exit 1" in run.stdout and "torch imported: False" in run.stdout, (run.stdout, run.stderr)
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr

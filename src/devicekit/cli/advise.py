@@ -13,6 +13,7 @@ import json
 import click
 
 from devicekit.cli.estimate import checked_step_options, model_options
+from devicekit.cli.model_factory import check_model_args
 
 __all__ = ["command"]
 
@@ -22,6 +23,7 @@ __all__ = ["command"]
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
             loss: str | None, step_spec: str | None, as_json: bool) -> None:
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
+    check_model_args(model_spec, inputs)
     from devicekit.cli.model_factory import load_factory, parse_inputs
     from devicekit.strategy.advise import advise
 

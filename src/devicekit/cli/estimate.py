@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from devicekit.cli.model_factory import check_model_args
 from devicekit.units import format_size
 
 __all__ = ["checked_step_options", "command", "model_options", "where_time_went"]
@@ -49,6 +50,7 @@ def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision:
             loss: str | None, step_spec: str | None, as_json: bool, inference: bool) -> None:
     started = time.perf_counter()
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
+    check_model_args(model_spec, inputs)
     import torch._dynamo  # noqa: F401  (fake tensors import it on first use: count it as import time)
 
     from devicekit.cli.model_factory import load_factory, parse_inputs

@@ -2,6 +2,7 @@
 
 Usage::
 
+    check_model_args("mypkg.models:build_resnet", "3x224x224")  # before torch is imported
     model = load_factory("mypkg.models:build_resnet")
     sample = parse_inputs("3x224x224,10:long", batch=64)   # (64,3,224,224) float, (64,10) long
 """
@@ -9,13 +10,14 @@ Usage::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Any
 
 from devicekit.errors import InvalidValueError
 
-__all__ = ["load_factory", "load_function", "parse_inputs"]
+__all__ = ["check_model_args", "input_specs", "load_factory", "load_function", "parse_inputs"]
 
 _DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": "bfloat16",
            "bfloat16": "bfloat16", "fp16": "float16", "half": "float16", "float16": "float16",
@@ -24,11 +26,32 @@ _DTYPES = {"float": "float32", "float32": "float32", "fp32": "float32", "bf16": 
            "bool": "bool"}
 
 
-def load_function(spec: str, what: str = "model", form: str = "MODULE:FACTORY") -> Any:
-    """Import ``module:function`` (from the current directory too); the function, not called."""
+def check_model_args(model_spec: str, inputs: str) -> None:
+    """The model's MODULE:FACTORY and the --input shapes, checked before torch is imported (a
+    wrong argument is told at once, not after torch's seconds of import)."""
+    module_name, _ = _split(model_spec, "model", "MODULE:FACTORY")
+    input_specs(inputs)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        missing = importlib.util.find_spec(module_name) is None
+    except (ImportError, ValueError):   # a parent package that fails to import: load_function says why
+        missing = False
+    if missing:
+        raise InvalidValueError(f"model {model_spec!r}: cannot import {module_name!r} "
+                                f"(No module named {module_name!r})")
+
+
+def _split(spec: str, what: str, form: str) -> tuple[str, str]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise InvalidValueError(f"{what} {spec!r} is not {form}, e.g. mypkg.models:build_resnet")
+    return module_name, attr
+
+
+def load_function(spec: str, what: str = "model", form: str = "MODULE:FACTORY") -> Any:
+    """Import ``module:function`` (from the current directory too); the function, not called."""
+    module_name, attr = _split(spec, what, form)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -56,11 +79,9 @@ def load_factory(spec: str) -> Any:
     return model
 
 
-def parse_inputs(text: str, batch: int) -> Any:
-    """Meta tensors of shape (batch, *SHAPE) for each comma-separated ``AxBxC[:dtype]``."""
-    import torch
-
-    tensors = []
+def input_specs(text: str) -> list[tuple[list[int], str]]:
+    """(shape, torch dtype name) for each comma-separated ``AxBxC[:dtype]``; no torch needed."""
+    specs = []
     for item in text.split(","):
         shape_text, _, dtype_text = item.strip().partition(":")
         try:
@@ -75,5 +96,14 @@ def parse_inputs(text: str, batch: int) -> Any:
         dtype_name = _DTYPES.get(dtype_text.lower() or "float")
         if dtype_name is None:
             raise InvalidValueError(f"input dtype {dtype_text!r} is unknown; use one of {', '.join(_DTYPES)}")
-        tensors.append(torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta"))
+        specs.append((shape, dtype_name))
+    return specs
+
+
+def parse_inputs(text: str, batch: int) -> Any:
+    """Meta tensors of shape (batch, *SHAPE) for each comma-separated ``AxBxC[:dtype]``."""
+    import torch
+
+    tensors = [torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta")
+               for shape, dtype_name in input_specs(text)]
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
