@@ -79,7 +79,14 @@ def test_advise_several_big_gpus_pick_ddp(simulate: Callable[..., Path]) -> None
     simulate([h100(), h100(), h100(used="79GiB")])       # the third is taken
     advice = dk.advise(*_big(), host_memory="64GiB")
     assert advice.best.name.startswith("DDP") and advice.best.gpus == 2
-    assert "global batch 16" in advice.best.reason
+    assert "global batch 16" in advice.best.reason and "about 2x the speed of one" in advice.best.reason
+
+
+def test_advise_ddp_over_a_mix_is_not_promised_n_times_the_speed(simulate: Callable[..., Path]) -> None:
+    """DDP runs at the pace of its slowest rank: a mixed or busy set is not 'about 3x'."""
+    simulate([h100(), h100(), {**h100(), "name": "NVIDIA GeForce RTX 3060", "memory_total": "12GiB"}])
+    reason = dk.advise(*_big(), host_memory="64GiB").best.reason
+    assert "at the pace of the slowest" in reason and "less than 3x" in reason and "mixed" in reason
 
 
 def test_advise_four_small_gpus_pick_fsdp(simulate: Callable[..., Path]) -> None:

@@ -10,7 +10,11 @@ constant runs every layer depends on how the model reads it:
   models): skip below a rate, so a draw just below 1 runs every layer (:data:`HIGH`, the
   default);
 * ``if torch.rand(1) < survival: x = x + block(x)`` (stochastic depth written the other way
-  round): run below a rate, so a draw of 0 does (:data:`LOW`).
+  round): run below a rate, so a draw of 0 does (:data:`LOW`);
+* ``if torch.bernoulli(p): ...``: a one-number coin is 1 under :data:`HIGH`, 0 under :data:`LOW`.
+
+Not seen, so not handled: Python's own ``random.random()``, an in-place ``uniform_()``, and a
+model mixing both conventions in one step (neither constant runs every layer).
 
 The estimate sizes a step that drew such numbers both ways and keeps the larger (``drawing``).
 Larger draws (dropout masks) are untouched.
@@ -42,6 +46,7 @@ import torch
 __all__ = ["HIGH", "LOW", "Drawn", "drawing", "layer_kept_draw"]
 
 _DRAWS = {torch.ops.aten.rand.default, torch.ops.aten.rand.generator}
+_COINS = {torch.ops.aten.bernoulli.default}
 HIGH = 1.0 - 2.0 ** -24     # the largest float32 below 1: "skip below a rate" runs every layer
 LOW = 0.0                   # "run below a rate" runs every layer
 
@@ -69,8 +74,11 @@ def drawing(value: float) -> Iterator[Drawn]:
 
 
 def layer_kept_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """A constant (:data:`HIGH`, or what ``drawing`` set) for a one-number ``torch.rand``; None
-    for any other op."""
+    """A constant (:data:`HIGH`, or what ``drawing`` set) for a one-number ``torch.rand``, and 1
+    or 0 for a one-number ``torch.bernoulli`` (``if torch.bernoulli(p): x = x + block(x)``);
+    None for any other op."""
+    if func in _COINS:
+        return _coin(args[0], kwargs)
     if func not in _DRAWS or math.prod(args[0]) != 1:
         return None
     drawn = _CURRENT.get()
@@ -81,3 +89,15 @@ def layer_kept_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     # which comparisons evaluate
     draw = torch.tensor(HIGH if drawn is None else drawn.value, dtype=dtype, device=kwargs.get("device"))
     return draw.reshape(list(args[0]))
+
+
+def _coin(p: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``torch.bernoulli(p)`` of one number: 1 under :data:`HIGH`, 0 under :data:`LOW`."""
+    if not isinstance(p, torch.Tensor) or p.numel() != 1:
+        return None
+    drawn = _CURRENT.get()
+    if drawn is not None:
+        drawn.count += 1
+    value = 1.0 if drawn is None or drawn.value == HIGH else 0.0
+    # torch.tensor: a constant under fake tensors, which `if coin:` can read (as a draw above)
+    return torch.tensor(value, dtype=p.dtype, device=p.device).reshape(p.shape)

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, resize_batch
+from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, resize_batch, sample_batch
 from devicekit.memory.fit_check import Fit, check_fit
 from devicekit.memory.gpu_overhead import gpu_range
 from devicekit.memory.losses import LossFn, resolve_loss
@@ -104,7 +104,8 @@ class MemoryEstimate:
         return self.parts["weights"] + self.parts["gradients"] + self.parts["optimizer state"]
 
     def at_batch_size(self, batch_size: int) -> MemoryEstimate:
-        """The same estimate for another batch size (fake runs only)."""
+        """The same estimate for another batch size (fake runs; real CPU steps for a model whose
+        shapes depend on values, as the first estimate)."""
         if self._again is None or self.batch_size is None:
             raise InvalidValueError("this estimate has no batch dimension to change; pass batch_size=")
         return self._again(_positive(batch_size, "batch_size"))
@@ -113,7 +114,8 @@ class MemoryEstimate:
         """The largest batch whose step peaks within ``budget`` (bytes or "20GiB"); 0 if none.
 
         From how the peak grows with the batch (two fake runs give the slope), then checked
-        with fake runs at the answer and one above it; no real memory is used.
+        with fake runs at the answer and one above it; no real memory is used, but for a model
+        whose shapes depend on values, which each run sizes by real CPU steps (up to batch 128).
         """
         room = parse_size(budget, name="budget")
         if self._again is None or self.batch_size is None:
@@ -202,11 +204,6 @@ def _positive(value: Any, name: str) -> int:
     return value
 
 
-def _batch_of(sample: Any) -> int | None:
-    first = next((t for t in tensors(sample) if t.dim() > 0), None)
-    return int(first.shape[0]) if first is not None else None
-
-
 def estimate_memory(
     model: nn.Module,
     sample: Any,
@@ -257,7 +254,7 @@ def estimate_memory(
                                 "optimizer has nothing to step: pass optimizer=None (--optimizer none) "
                                 "to size the forward and backward, or training=False (--inference)")
     shapes = resize_batch(sample, batch_size)
-    batch = _batch_of(shapes)
+    batch = sample_batch(shapes)
     kwargs: dict[str, Any] = {"optimizer": optimizer, "precision": dtype, "loss_fn": loss,
                               "keep_output": step is None, "step": step}
     start = time.perf_counter()

@@ -46,11 +46,18 @@ from devicekit.memory.draws import layer_kept_draw
 from devicekit.memory.fake_memo import OpMemo
 from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
 from devicekit.memory.steady_state import Timeline
-from devicekit.memory.step import LoopOutput, OptimizerSpec, StepFn, make_optimizer, training_step
+from devicekit.memory.step import (
+    LoopOutput,
+    OptimizerSpec,
+    StepFn,
+    make_optimizer,
+    tensors,
+    training_step,
+)
 from devicekit.placement.walk import iter_tensors, map_tensors
 
 __all__ = ["CUDA_WORKSPACES", "PARTS", "LiveBytes", "fake_step", "phase_hooks", "plain_tensor_copies",
-           "resize_batch"]
+           "resize_batch", "sample_batch"]
 
 #: the parts of a step's memory, in the order tables show them
 PARTS = ("weights", "gradients", "optimizer state", "inputs", "activations", "temporaries")
@@ -197,11 +204,21 @@ def _check_same_dtype(func: Any, args: Any) -> None:
                            f"{' and '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}")
 
 
+def sample_batch(sample: Any) -> int | None:
+    """The batch of ``sample``: the first dimension of its first tensor that has one."""
+    first = next((t for t in tensors(sample) if t.dim() > 0), None)   # in order (iter_tensors is not)
+    return int(first.shape[0]) if first is not None else None
+
+
 def resize_batch(sample: Any, batch_size: int | None) -> Any:
-    """``sample`` as shapes only, with the first dimension of every tensor set to ``batch_size``."""
+    """``sample`` as shapes only, with the batch dimension set to ``batch_size``: the first
+    dimension of each tensor whose first dimension is the sample's batch (a tensor of another
+    length, e.g. a retrieval bank or class weights beside the batch, keeps its shape)."""
+    batch = sample_batch(sample)
+
     def shape_of(t: torch.Tensor) -> torch.Tensor:
         shape = list(t.shape)
-        if batch_size is not None and shape:
+        if batch_size is not None and shape and shape[0] == batch:
             shape[0] = batch_size
         return torch.empty(shape, dtype=t.dtype, device="meta")
 

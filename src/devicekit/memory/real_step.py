@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import InvalidValueError
-from devicekit.memory.fake_step import LiveBytes, phase_hooks, plain_tensor_copies
+from devicekit.memory.fake_step import LiveBytes, phase_hooks, plain_tensor_copies, sample_batch
 from devicekit.memory.step import (
     LoopOutput,
     OptimizerSpec,
@@ -63,19 +63,25 @@ def has_values(sample: Any) -> bool:
 
 
 def _real_sample(sample: Any, batch: int, values: Any = None) -> Any:
-    """``sample`` at ``batch`` on the CPU: the rows of ``values`` (cut, or repeated in turn, to
-    ``batch`` rows) where given, else stand-ins (random normals, zeros, True)."""
+    """``sample`` at ``batch`` on the CPU: rows of ``values`` where given, spread evenly over the
+    whole batch (a batch sorted by length has its short rows first: the first rows alone sized a
+    packed LSTM 35 % low), repeated in turn past its end; else stand-ins (random normals, zeros,
+    True). Only tensors whose first dimension is the sample's batch are resized."""
     if values is not None:
+        full = sample_batch(values)
+
         def rows(t: torch.Tensor) -> torch.Tensor:
             t = t.detach().cpu()
-            if not t.dim():
+            if not t.dim() or t.shape[0] != full:
                 return t.clone()
-            return t[torch.arange(batch) % t.shape[0]]
+            index = (torch.arange(batch) * full) // batch if batch <= full else torch.arange(batch) % full
+            return t[index]
 
         return map_tensors(values, rows)
+    full = sample_batch(sample)
 
     def make(t: torch.Tensor) -> torch.Tensor:
-        shape = [batch, *t.shape[1:]] if t.dim() else []
+        shape = [batch, *t.shape[1:]] if t.dim() and t.shape[0] == full else list(t.shape)
         if t.is_floating_point():
             return torch.randn(shape, dtype=t.dtype)
         if t.dtype == torch.bool:

@@ -70,16 +70,33 @@ class Sized:
 def size_step(model: nn.Module, sample: Any, shapes: Any, batch: int | None, *, training: bool,
               target: torch.device, kwargs: dict[str, Any]) -> Sized:
     """The step's peak: ``shapes`` is ``sample`` resized to ``batch`` on the meta device."""
+    failed: Exception | None = None
     with drawing(HIGH) as drawn:
-        sized = _size_once(model, sample, shapes, batch, training=training, target=target, kwargs=kwargs)
+        try:
+            sized: Sized | None = _size_once(model, sample, shapes, batch, training=training, target=target,
+                                             kwargs=kwargs)
+        except Exception as exc:   # every layer skipped this way can leave nothing to train
+            if not drawn.count:
+                raise
+            sized, failed = None, exc
     if not drawn.count:
+        assert sized is not None
         return sized
-    with drawing(LOW):
-        other = _size_once(model, sample, shapes, batch, training=training, target=target, kwargs=kwargs)
-    larger = other if other.peak > sized.peak else sized
-    timings = dict(sized.timings)
-    for name, seconds in other.timings.items():
-        timings[name] = timings.get(name, 0.0) + seconds
+    try:
+        with drawing(LOW):
+            other: Sized | None = _size_once(model, sample, shapes, batch, training=training, target=target,
+                                             kwargs=kwargs)
+    except Exception:
+        if sized is None:
+            assert failed is not None
+            raise failed from None
+        other = None
+    runs = [run for run in (sized, other) if run is not None]
+    larger = max(runs, key=lambda run: run.peak)
+    timings: dict[str, float] = {}
+    for run in runs:
+        for name, seconds in run.timings.items():
+            timings[name] = timings.get(name, 0.0) + seconds
     larger.timings = timings
     larger.method += (f"; {drawn.count} one-number random draw(s) decide whether layers run"
                       " (LayerDrop, stochastic depth): sized with each drawn just below 1 and"
@@ -210,7 +227,9 @@ def _extrapolated(model: nn.Module, sample: Any, shapes: Any, batch: int, cause:
     def line(y1: float, y2: float) -> int:
         if b2 == b1:  # the batch asked for: measured as it is
             return max(round(y2), 0)
-        return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), 0)
+        # never below what the larger batch measured: memory does not shrink as the batch grows
+        # (two steps that differ by more than the batch, e.g. random layer skips, can slope down)
+        return max(round(y1 + (batch - b1) * (y2 - y1) / (b2 - b1)), round(y2), 0)
 
     best: tuple[int, dict[str, int], str] = (-1, {}, "")
     for phase, (p2, parts2) in second.items():

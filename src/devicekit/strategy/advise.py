@@ -247,6 +247,17 @@ def advise(
                   loads=loads, on_gpu=on_gpu)
 
 
+def _ddp_speed(used: list[_Gpu], loads: dict[str, float]) -> str:
+    """How fast DDP over ``used`` is against one GPU: it runs at the pace of its slowest rank."""
+    n = len(used)
+    models = sorted({g.name for g in used if g.name})
+    busy = [f"{g.label} {loads[g.label]:.0f} % busy" for g in used if loads.get(g.label, 0.0) >= 50]
+    if len(models) > 1 or busy:
+        why = ", ".join(([" and ".join(models) + " mixed"] if len(models) > 1 else []) + busy)
+        return f"at the pace of the slowest of them ({why}), so less than {n}x the speed of one"
+    return f"about {n}x the speed of one"
+
+
 def _on_gpu(rooms: _Rooms, need: int, gpu: _Gpu) -> str:
     """"; sized on the CPU; on a GPU nvidia-smi will show about ..." for a step sized off CUDA, else ""."""
     on_gpu = rooms.need(need, gpu)
@@ -289,11 +300,12 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[_Gpu], host
     ddp_n = sure if sure >= 2 else sum(1 for ok, _ in checks if ok)
     ddp_tight = sure < 2 <= ddp_n
     n_all = len(budgets)
+    speed = _ddp_speed([g for g, (ok, _) in zip(budgets, checks, strict=True) if ok][:ddp_n], loads)
     rows.append(Strategy(
         f"DDP over {max(ddp_n, 2) if n_all > 1 else 1}", max(ddp_n, 1), ddp_need, ddp_n >= 2,
         (f"{ddp_n} GPUs each hold the step plus DDP's gradient buckets"
          f"{' (tightly: they may not)' if ddp_tight else ''}; global batch "
-         f"{ddp_n * (batch or 1)} ({batch} per GPU), about {ddp_n}x the speed of one"
+         f"{ddp_n * (batch or 1)} ({batch} per GPU), {speed}"
          f"{_on_gpu(rooms, ddp_need, best)}")
         if ddp_n >= 2 else (f"needs {format_size(ddp_need)} per GPU (the step + gradient buckets"
                             f"{_on_gpu(rooms, ddp_need, best)}); {ddp_n} GPU(s) have that"
