@@ -42,6 +42,8 @@ def test_estimate_table_and_json(capsys: pytest.CaptureFixture[str], monkeypatch
     (["fit_models:small_mlp", "--input", "1024,"], "--input '1024,': shape '' does not parse"),
     (["fit_models:small_mlp", "--input", "0"], "every dimension of '0' must be at least 1"),
     (["fit_models:small_mlp", "--input", "1024:long"], "float32 and int64"),
+    (["fit_models:small_mlp", "--input", "1024", "--inference", "--optimizer", "sgd"],
+     "--optimizer sgd: --inference sizes a forward pass"),
     (["fit_models:small_mlp", "--input", "1024:complex7"], "complex7"),
     (["fit_models:small_mlp", "--input", "7"], "failed on the sample"),
     (["fit_models:small_mlp", "--input", "1024", "--optimizer", "lion9"], "lion9"),
@@ -252,3 +254,9 @@ def test_a_wrong_argument_is_told_before_torch_is_imported(argv: list[str]) -> N
                          cwd=Path(__file__).resolve().parents[2] / "docs" / "examples")
     assert "exit 1" in run.stdout and "torch imported: False" in run.stdout, (run.stdout, run.stderr)
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+
+
+def test_advise_without_gpus_shows_the_step_in_host_ram() -> None:
+    model, _ = _big()
+    text = str(dk.advise(torch.nn.Linear(64, 64), torch.randn(8, 64), gpus=[], host_memory="64GiB"))
+    assert "cpu" in text and " RAM  fits" in text and "0 B/GPU" not in text

@@ -41,6 +41,7 @@ def test_public_alias(simulate):
         (json.dumps({"gpus": [{"name": "x", "memory_total": "10XB"}]}), "gpus[0].memory_total"),
         (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB", "colour": 1}]}), "'colour'"),
         (json.dumps({"gpus": [{"name": "x"}]}), "missing key 'memory_total'"),
+        (json.dumps({"gpus": [{"name": "x", "memory_total": "0GiB"}]}), "gpus[0].memory_total: '0GiB' is no memory"),
         (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB", "memory_used": "2GiB"}]}),
          "larger than memory_total"),
         (json.dumps({"gpus": [{"name": "x", "memory_total": "1GiB", "utilization": 140}]}),

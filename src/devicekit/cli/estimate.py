@@ -49,6 +49,8 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
             loss: str | None, step_spec: str | None, as_json: bool, inference: bool) -> None:
     started = time.perf_counter()
+    if inference:
+        _refuse_training_options(optimizer, loss, step_spec)
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
     check_model_args(model_spec, inputs)
     import torch._dynamo  # noqa: F401  (fake tensors import it on first use: count it as import time)
@@ -92,6 +94,19 @@ def where_time_went(spent: dict[str, float]) -> str:
         "importing torch and devicekit": "torch's import, done once per process",
     }.get(stages[0][0], "")
     return f"{line} ({why})" if why else line
+
+
+def _refuse_training_options(optimizer: str, loss: str | None, step_spec: str | None) -> None:
+    """--inference sizes a forward pass: an --optimizer, --loss or --step given with it would be
+    ignored, so it is refused instead."""
+    from devicekit.errors import InvalidValueError
+
+    given = click.get_current_context().get_parameter_source("optimizer")
+    for flag, value in (("--optimizer", optimizer if given == click.core.ParameterSource.COMMANDLINE else None),
+                        ("--loss", loss), ("--step", step_spec)):
+        if value is not None:
+            raise InvalidValueError(f"{flag} {value}: --inference sizes a forward pass, which has no "
+                                    f"{flag.removeprefix('--')}; leave out one of the two")
 
 
 def checked_step_options(optimizer: str, precision: str | None, loss: str | None,

@@ -138,6 +138,8 @@ def _parse_gpu(path: Path, index: int, entry: Any) -> GPU:
     if not isinstance(name, str) or not name:
         raise _fail(path, f"{where}.name", f"{name!r} is not a name")
     total = _size(path, f"{where}.memory_total", entry["memory_total"])
+    if total <= 0:
+        raise _fail(path, f"{where}.memory_total", f"{entry['memory_total']!r} is no memory at all")
     used = _size(path, f"{where}.memory_used", entry.get("memory_used", "0GiB"))
     if used > total:
         raise _fail(path, f"{where}.memory_used", "is larger than memory_total")

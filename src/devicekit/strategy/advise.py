@@ -107,7 +107,8 @@ class Advice:
         for rank, s in enumerate(self.rows, 1):
             mark = ("may not fit" if s.tight else "fits") if s.fits else \
                 "does not fit" if s.applicable else "not applicable"
-            lines.append(f"{rank}. {s.name:<{width}}  {format_size(s.memory_per_gpu):>10}/GPU  {mark}: {s.reason}")
+            where = "/GPU" if s.gpus else " RAM"     # the CPU row: host memory, not a GPU's
+            lines.append(f"{rank}. {s.name:<{width}}  {format_size(s.memory_per_gpu):>10}{where}  {mark}: {s.reason}")
             if s.fits:
                 lines.append(f"   {'':<{width}}  run: {s.command}")
         return "\n".join(lines)
@@ -273,7 +274,7 @@ def _strategies(model: nn.Module, est: MemoryEstimate, budgets: list[_Gpu], host
                   default=state // 4 if state else 0)
     rows: list[Strategy] = []
     if not budgets:
-        rows.append(Strategy("cpu", 0, 0, peak <= host, f"no GPU; the step needs {format_size(peak)} "
+        rows.append(Strategy("cpu", 0, peak, peak <= host, f"no GPU; the step needs {format_size(peak)} "
                              f"of {format_size(host)} host RAM", "python train.py  # on the CPU",
                              batch, batch))
         return rows
