@@ -73,6 +73,15 @@ def drawing(value: float) -> Iterator[Drawn]:
         _CURRENT.reset(token)
 
 
+def _next_value() -> float:
+    """The value of the next one-number draw (:data:`HIGH` outside ``drawing``), counted."""
+    drawn = _CURRENT.get()
+    if drawn is None:
+        return HIGH
+    drawn.count += 1
+    return drawn.value
+
+
 def layer_kept_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """A constant (:data:`HIGH`, or what ``drawing`` set) for a one-number ``torch.rand``, and 1
     or 0 for a one-number ``torch.bernoulli`` (``if torch.bernoulli(p): x = x + block(x)``);
@@ -81,13 +90,10 @@ def layer_kept_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return _coin(args[0], kwargs)
     if func not in _DRAWS or math.prod(args[0]) != 1:
         return None
-    drawn = _CURRENT.get()
-    if drawn is not None:
-        drawn.count += 1
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     # made inside the caller's dispatch mode: under fake tensors this is a constant fake tensor,
     # which comparisons evaluate
-    draw = torch.tensor(HIGH if drawn is None else drawn.value, dtype=dtype, device=kwargs.get("device"))
+    draw = torch.tensor(_next_value(), dtype=dtype, device=kwargs.get("device"))
     return draw.reshape(list(args[0]))
 
 
@@ -95,9 +101,6 @@ def _coin(p: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """``torch.bernoulli(p)`` of one number: 1 under :data:`HIGH`, 0 under :data:`LOW`."""
     if not isinstance(p, torch.Tensor) or p.numel() != 1:
         return None
-    drawn = _CURRENT.get()
-    if drawn is not None:
-        drawn.count += 1
-    value = 1.0 if drawn is None or drawn.value == HIGH else 0.0
+    value = 1.0 if _next_value() == HIGH else 0.0
     # torch.tensor: a constant under fake tensors, which `if coin:` can read (as a draw above)
     return torch.tensor(value, dtype=p.dtype, device=p.device).reshape(p.shape)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from devicekit.errors import InvalidValueError
 from devicekit.memory.fake_step import LiveBytes, phase_hooks, plain_tensor_copies, sample_batch
@@ -59,7 +60,7 @@ def fake_tensors_cannot_run(exc: BaseException) -> bool:
 def has_values(sample: Any) -> bool:
     """Whether every tensor of ``sample`` holds values (none is on the meta device or fake)."""
     found = list(tensors(sample))
-    return bool(found) and not any(t.is_meta or type(t).__name__ == "FakeTensor" for t in found)
+    return bool(found) and not any(t.is_meta or isinstance(t, FakeTensor) for t in found)
 
 
 def _real_sample(sample: Any, batch: int, values: Any = None) -> Any:

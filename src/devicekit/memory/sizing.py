@@ -14,8 +14,8 @@ the wrong step to size, and each is handled here:
   values; a sample of shapes only (meta tensors, the CLI's ``--input``) gets zeros, random
   normals and True, and the answer says those are not the caller's data. Before the batches
   that stand in, one real step at batch 2 tells a model that fails for real (a shape error)
-  at the cost of two samples (not one: batch norm refuses a batch of 1 in training), and real steps that would not fit in this machine's free memory
-  are refused rather than tried.
+  at the cost of two samples (not one: batch norm refuses a batch of 1 in training), and real
+  steps that would not fit in this machine's free memory are refused rather than tried.
 
 Usage (what :func:`~devicekit.memory.estimate.estimate_memory` does)::
 
@@ -70,35 +70,30 @@ class Sized:
 def size_step(model: nn.Module, sample: Any, shapes: Any, batch: int | None, *, training: bool,
               target: torch.device, kwargs: dict[str, Any]) -> Sized:
     """The step's peak: ``shapes`` is ``sample`` resized to ``batch`` on the meta device."""
-    failed: Exception | None = None
-    with drawing(HIGH) as drawn:
-        try:
-            sized: Sized | None = _size_once(model, sample, shapes, batch, training=training, target=target,
-                                             kwargs=kwargs)
-        except Exception as exc:   # every layer skipped this way can leave nothing to train
-            if not drawn.count:
-                raise
-            sized, failed = None, exc
-    if not drawn.count:
-        assert sized is not None
-        return sized
-    try:
-        with drawing(LOW):
-            other: Sized | None = _size_once(model, sample, shapes, batch, training=training, target=target,
-                                             kwargs=kwargs)
-    except Exception:
-        if sized is None:
-            assert failed is not None
-            raise failed from None
-        other = None
-    runs = [run for run in (sized, other) if run is not None]
+    runs: list[Sized] = []
+    errors: list[Exception] = []
+    draws = 0
+    for value in (HIGH, LOW):
+        with drawing(value) as drawn:
+            try:
+                runs.append(_size_once(model, sample, shapes, batch, training=training, target=target,
+                                       kwargs=kwargs))
+            except Exception as exc:   # drawn one way, every layer may skip: nothing left to train
+                errors.append(exc)
+        draws = draws or drawn.count
+        if not draws:
+            break                      # nothing drawn: there is only one way
+    if not runs:
+        raise errors[0]
+    if not draws:
+        return runs[0]
     larger = max(runs, key=lambda run: run.peak)
     timings: dict[str, float] = {}
     for run in runs:
         for name, seconds in run.timings.items():
             timings[name] = timings.get(name, 0.0) + seconds
     larger.timings = timings
-    larger.method += (f"; {drawn.count} one-number random draw(s) decide whether layers run"
+    larger.method += (f"; {draws} one-number random draw(s) decide whether layers run"
                       " (LayerDrop, stochastic depth): sized with each drawn just below 1 and"
                       " at 0, the larger kept")
     return larger
