@@ -188,3 +188,19 @@ def test_release_of_an_activation_does_not_warn() -> None:
         warnings.simplefilter("error")
         freed = dk.release(activation)
     assert freed.tensors_freed == 256 and activation.untyped_storage().nbytes() == 0
+
+
+def test_fake_tensors_left_alive_hold_no_memory() -> None:
+    """An estimate's refusal keeps its fake tensors alive in the traceback it chains: one of an
+    absurd sample says it is on the CPU with PiB of bytes. They are not memory in use (a later
+    test's CPU usage read 512 PB)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from devicekit.memory.usage import cpu_usage
+
+    with FakeTensorMode():
+        fake = torch.empty(64, 100000, 100000, 100000)
+    assert fake.device.type == "cpu"
+    cpu = cpu_usage()
+    assert cpu.allocated is not None and cpu.allocated < 1 << 40, cpu.allocated
+    del fake

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself: free
 
 __all__ = ["CUDA_BLOCK", "live_tensors", "scan_objects", "storage_key", "storage_bytes", "total_bytes", "round_block"]
 
@@ -59,9 +60,15 @@ def live_tensors() -> list[torch.Tensor]:
     return scan_objects()[0]
 
 
+def _holds_no_memory(tensor: torch.Tensor) -> bool:
+    """A meta or fake tensor (the estimate's, alive in a traceback it left) has no storage: a
+    fake one says it is on the CPU with the bytes of its shape (PiB for an absurd sample)."""
+    return tensor.is_meta or isinstance(tensor, FakeTensor)
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
     """``(device, data pointer)`` of the storage behind ``tensor``; None if it has none."""
-    if tensor.is_meta or tensor.layout != torch.strided:
+    if _holds_no_memory(tensor) or tensor.layout != torch.strided:
         return None
     try:
         storage = tensor.untyped_storage()
@@ -75,7 +82,7 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
 
 def storage_bytes(tensor: torch.Tensor, *, rounded: bool = True) -> int:
     """Bytes of the storage behind ``tensor`` (block-rounded on CUDA when ``rounded``)."""
-    if tensor.is_meta:
+    if _holds_no_memory(tensor):
         return 0
     if tensor.layout != torch.strided:  # sparse: values + indices
         nbytes = _sparse_bytes(tensor)
