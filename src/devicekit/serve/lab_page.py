@@ -23,8 +23,8 @@ from typing import Any
 from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import gpus_asked, queue_tickets
 from devicekit.serve.prometheus import free_devices
-from devicekit.serve.time_text import clock, duration, iso
-from devicekit.units import format_size
+from devicekit.serve.time_text import clock, iso
+from devicekit.units import format_duration, format_size
 
 __all__ = ["render_lab_page", "render_lab_fragment"]
 
@@ -86,7 +86,7 @@ def _host(host: dict[str, Any], now: float) -> str:
                                else "") + f"{badge}</h2>"]
     age = host.get("age")
     if isinstance(age, int | float) and not isinstance(age, bool):
-        parts.append(f'<p class="facts">answer {duration(age)} old</p>')
+        parts.append(f'<p class="facts">answer {format_duration(age)} old</p>')
     if host.get("error"):
         what = "no answer" if status is None else "latest read failed, showing the last answer"
         parts.append(f'<p class="error" role="alert">{what}: {esc(host["error"])}</p>')
@@ -135,10 +135,10 @@ def _leases(leases: list[dict[str, Any]], now: float) -> str:
         since = lease.get("since")
         if isinstance(since, int | float) and not isinstance(since, bool):
             bits.append(f'since <time datetime="{iso(float(since))}">{clock(float(since))}'
-                        f"</time> ({duration(now - float(since))})")
+                        f"</time> ({format_duration(now - float(since))})")
         idle = lease.get("idle_since")
         if isinstance(idle, int | float) and not isinstance(idle, bool):
-            bits.append(f'<span class="idle">idle {duration(now - float(idle))}</span>')
+            bits.append(f'<span class="idle">idle {format_duration(now - float(idle))}</span>')
         items.append(" ".join(bits))
     return "<br>".join(items)
 
@@ -150,7 +150,7 @@ def _queue(status: dict[str, Any], now: float) -> str:
     items = []
     for ticket in tickets:
         since = ticket.get("since")
-        waited = duration(now - float(since)) if isinstance(since, int | float) and \
+        waited = format_duration(now - float(since)) if isinstance(since, int | float) and \
             not isinstance(since, bool) else "?"
         items.append(f"<li>{esc(ticket.get('user'), 100)}: {gpus_asked(ticket)} GPU(s), "
                      f"waiting {waited}: {esc(ticket.get('reason') or '')}</li>")

@@ -22,7 +22,7 @@ import time
 from typing import IO, TYPE_CHECKING, Any
 
 from devicekit.hardware.printable import printable
-from devicekit.units import format_size
+from devicekit.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -269,15 +269,6 @@ def _process_table(report: StatusReport) -> Any:
     return table
 
 
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
 def _lease_table(report: StatusReport, now: float) -> Any:
     from rich.table import Table
     from rich.text import Text
@@ -306,18 +297,10 @@ def _lease_table(report: StatusReport, now: float) -> Any:
         stopped = report.stopped.get(r.pid)
         table.add_row(Text(printable(gpu_label)), Text(printable(r.user)), Text(printable(r.host)),
                       str(r.pid) + (" stopped" if stopped is not None else ""),
-                      Text(printable(r.job) if r.job else "-"), _age(now - r.since),
+                      Text(printable(r.job) if r.job else "-"), format_duration(now - r.since),
                       (format_size(r.memory) if r.memory is not None else "whole GPU")
                       + (" (shared)" if r.share else ""),
                       Text(_short(r.command) if r.kind == "lease"
                            else f"(lock only) {_short(r.command)}"))
     return table
 
-
-def __getattr__(name: str) -> object:
-    """``devicekit.sharing.status_table.show_utilization``: moved to devicekit.memory.utilization."""
-    if name == "show_utilization":
-        from devicekit.moved import moved_attribute
-
-        return moved_attribute(__name__, name, "devicekit.memory.utilization")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
