@@ -21,5 +21,4 @@ Usage::
 from devicekit.measure.bench_runner import bench
 from devicekit.measure.report import BenchReport, DeviceBench, Figure
 
-
 __all__ = ["bench", "BenchReport", "DeviceBench", "Figure"]

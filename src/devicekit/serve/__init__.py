@@ -27,5 +27,4 @@ from __future__ import annotations
 
 from devicekit.serve.server import StatusServer
 
-
 __all__ = ["StatusServer"]

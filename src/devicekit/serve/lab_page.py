@@ -24,7 +24,8 @@ from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import gpus_asked, queue_tickets
 from devicekit.serve.prometheus import free_devices
 from devicekit.serve.time_text import clock, iso
-from devicekit.units import format_duration, format_size
+from devicekit.sharing.status_table import gpu_cells, gpu_state
+from devicekit.units import format_duration
 
 __all__ = ["render_lab_page", "render_lab_fragment"]
 
@@ -103,24 +104,19 @@ def _host(host: dict[str, Any], now: float) -> str:
 
 
 def _gpu_table(status: dict[str, Any], now: float) -> str:
-    gpus = status.get("gpus") or []
+    gpus = [g for g in status.get("gpus") or () if isinstance(g, dict)]
     if not gpus:
         return '<p class="empty">No GPUs.</p>'
     rows = []
     for gpu in gpus:
-        util = gpu.get("utilization")
-        used, total = int(gpu.get("memory_used") or 0), int(gpu.get("memory_total") or 0)
-        leases = gpu.get("leases") or []
-        state = "blocked" if gpu.get("blocked") else "leased" if leases else \
-            "in-use" if gpu.get("processes") else "free"
-        users = sorted({str(p.get("user") or "?") for p in gpu.get("processes") or []})
+        cells, state = gpu_cells(gpu), gpu_state(gpu)
+        leases = [r for r in gpu.get("leases") or () if isinstance(r, dict)]
         rows.append(
-            f'<tr class="{state}" data-uuid="{esc(gpu.get("uuid"), 130)}">'
-            f"<td>{esc(gpu.get('index'))}</td><td>{esc(gpu.get('name'), 100)}</td>"
-            f"<td>{'n/a' if util is None else f'{float(util):.0f}%'}</td>"
-            f"<td>{format_size(used)} / {format_size(total)}</td>"
-            f"<td>{_leases(leases, now) if leases else esc(state)}</td>"
-            f"<td>{esc(', '.join(users)) or '-'}</td></tr>")
+            f'<tr class="{state.replace(" ", "-")}" data-uuid="{esc(gpu.get("uuid"), 130)}">'
+            + "".join(f"<td>{esc(cells[key][0], 100)}</td>" for key in ("gpu", "name", "util",
+                                                                          "memory"))
+            + f"<td>{_leases(leases, now) if leases else esc(state)}</td>"
+            f"<td>{esc(cells['users'][0])}</td></tr>")
     return ('<table class="lab-gpus"><thead><tr><th>GPU</th><th>Name</th><th>Util</th>'
             "<th>Memory</th><th>Lease and job</th><th>Processes of</th></tr></thead><tbody>"
             + "".join(rows) + "</tbody></table>")

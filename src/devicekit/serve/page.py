@@ -24,6 +24,7 @@ from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import OTHER, gpus_asked, queue_tickets, user_totals
 from devicekit.serve.time_text import clock as _clock
 from devicekit.serve.time_text import iso as _iso
+from devicekit.sharing.status_table import gpu_state
 from devicekit.units import format_duration, format_size
 
 __all__ = ["render_page", "render_fragment"]
@@ -141,8 +142,7 @@ def _gpu_card(gpu: dict[str, Any], now: float, hide_commands: bool) -> str:
     if gpu.get("mig_enabled") and not gpu.get("mig_devices"):
         facts.append("MIG mode, no instances")
     leases = gpu.get("leases", [])
-    busy = gpu.get("processes") or (util or 0) > 0 or (total and used / total >= 0.05)
-    state = "leased" if leases else "in use" if busy else "idle"
+    state = gpu_state(gpu)
     parts = [
         f'<section class="gpu {state.replace(" ", "-")}" data-index="{esc(gpu.get("index"))}" '
         f'data-uuid="{esc(gpu.get("uuid"))}">',
