@@ -195,3 +195,24 @@ def test_show_utilization_lives_in_one_place() -> None:
     from devicekit.memory.utilization import show_utilization
 
     assert show_utilization is devicekit.show_utilization
+
+
+def test_type_checkers_see_every_public_name() -> None:
+    """The ``if TYPE_CHECKING:`` block of ``devicekit/__init__.py`` imports every name of
+    ``_EXPORTS`` from the module it loads from at run time, and nothing else."""
+    import devicekit.errors as errors
+
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If)
+                 and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+    static: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.dump(node)
+        for alias in node.names:
+            if alias.name == "*":
+                static.update({name: f"{node.module}:{name}" for name in errors.__all__})
+            elif node.module in ("devicekit", "devicekit.parallel"):  # a module: dk.memory, dk.dist
+                static[alias.name] = f"{node.module}.{alias.name}"
+            else:
+                static[alias.asname or alias.name] = f"{node.module}:{alias.name}"
+    assert static == devicekit._EXPORTS
