@@ -170,8 +170,11 @@ def allocate(
                     *(g.uuid for g, _ in busy)]})
     if ids:
         selection.gpus = sorted(selection.gpus, key=lambda g: ids.index(g.uuid))  # as asked
-    else:
-        selection.gpus = _strongest_first(selection.gpus)
+    else:  # rank 0 (cuda:0) on the strongest GPU: on a mixed machine the rank that logs,
+        # saves and evaluates is not the slowest
+        from devicekit.hardware.capability import strongest_first
+
+        selection.gpus = strongest_first(selection.gpus)
     nprocs = len(selection.gpus) // gpus_per_proc
     names = ", ".join(f"{g.label} ({g.name}, {format_size(g.memory_free)} free)"
                       for g in selection.gpus)
@@ -356,11 +359,3 @@ def _all_hidden(present: Sequence[Any]) -> bool:
         return not visible_devices(present, warn=False)
     except DeviceKitError:  # a malformed value: select_gpus names it in one line
         return False
-
-
-def _strongest_first(gpus: list[Any]) -> list[Any]:
-    """Rank 0 (and ``cuda:0``) gets the strongest GPU, so on a mixed machine the rank that logs,
-    saves and evaluates is not the slowest."""
-    from devicekit.hardware.capability import strongest_first
-
-    return strongest_first(gpus)
