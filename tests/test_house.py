@@ -1,5 +1,6 @@
 """The house stays in order: wings import only wings below them, no two files import each other,
-``devicekit.hardware`` imports no torch, and every old import path still works, with a warning."""
+``devicekit.hardware`` imports no torch, and the old import paths of the unreleased 0.1.0 line
+are gone (no alias, no import hook)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import ast
 import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ import devicekit
 SRC = Path(devicekit.__file__).resolve().parent
 #: floors from the ground up; a file may import its own floor and those below
 FLOORS = [
-    {"errors", "units", "moved", "teardown", "version"},
+    {"errors", "units", "teardown", "version"},
     {"hardware"},
     {"sharing"},
     {"selection", "placement"},
@@ -140,7 +140,7 @@ def test_no_two_files_import_each_other() -> None:
     assert not circles, f"import circles: {circles}"
 
 
-GROUND = ("errors", "units", "moved", "teardown", "version")
+GROUND = ("errors", "units", "teardown", "version")
 
 
 @pytest.mark.parametrize("modules,allowed", [
@@ -160,73 +160,59 @@ def test_status_wings_import_no_torch_and_no_wing_above(modules: str, allowed: t
     assert done.returncode == 0, done.stderr
 
 
-OLD_PATHS = {
-    "devicekit.parallel.run": "devicekit.jobs.run",
-    "devicekit.parallel.run_world": "devicekit.jobs.run_world",
-    "devicekit.parallel.supervise": "devicekit.jobs.supervise",
-    "devicekit.parallel.launch": "devicekit.jobs.launch",
-    "devicekit.parallel.outer": "devicekit.jobs.outer",
-    "devicekit.parallel.rank_process": "devicekit.jobs.rank_process",
-    "devicekit.parallel.torchrun_entry": "devicekit.jobs.torchrun_entry",
-    "devicekit.parallel.allocation": "devicekit.jobs.allocation",
-    "devicekit.parallel.threads": "devicekit.jobs.threads",
-    "devicekit.parallel.advise": "devicekit.strategy.advise",
-    "devicekit.parallel.equivalence": "devicekit.strategy.equivalence",
-    # the sharing wing split off hardware; names that meant two things renamed
-    **{f"devicekit.hardware.{name}": f"devicekit.sharing.{name}" for name in (
-        "lease_directory", "device_locks", "live_holder", "lease_records", "leases",
-        "lock_squatting", "stopped_jobs", "tickets", "queue_order", "queue_state", "queue_turn",
-        "policy", "fair_share")},
-    "devicekit.hardware.status": "devicekit.sharing.machine_status",
-    "devicekit.hardware.table": "devicekit.sharing.status_table",
-    "devicekit.hardware.checks": "devicekit.sharing.doctor_checks",
-    "devicekit.hardware.check": "devicekit.hardware.check_result",
-    "devicekit.hardware.selection": "devicekit.selection",
-    "devicekit.hardware.waiting": "devicekit.selection.waiting",
-    "devicekit.hardware.exclude": "devicekit.selection.exclude",
-    "devicekit.memory.table": "devicekit.memory.usage_table",
-    "devicekit.measure.run": "devicekit.measure.bench_runner",
-    "devicekit.measure.table": "devicekit.measure.bench_table",
-    "devicekit.placement.metrics": "devicekit.placement.metric_log",
-    "devicekit.serve.metrics": "devicekit.serve.prometheus",
-}
+#: the old import paths of the 0.1.0 development line; 0.1.0 was never released, so they went
+#: without a deprecation cycle (CHANGELOG.md), and nothing may bring them back half-way
+OLD_PATHS = (
+    "devicekit.moved", "devicekit.parallel.run", "devicekit.parallel.launch",
+    "devicekit.parallel.advise", "devicekit.hardware.leases", "devicekit.hardware.status",
+    "devicekit.hardware.table", "devicekit.hardware.selection", "devicekit.memory.table",
+    "devicekit.measure.run", "devicekit.placement.metrics", "devicekit.serve.metrics",
+)
 
 
-def test_old_hardware_selection_still_gives_select_gpus() -> None:
-    sys.modules.pop("devicekit.hardware.selection", None)
-    with pytest.warns(DeprecationWarning):
-        from devicekit.hardware.selection import Selection, select_gpus
-    assert select_gpus is devicekit.select_gpus and Selection is devicekit.Selection
-
-
-@pytest.mark.parametrize("old,new", sorted(OLD_PATHS.items()))
-def test_old_module_paths_work_with_a_deprecation_warning(old: str, new: str) -> None:
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_old_module_paths_are_gone(old: str) -> None:
     sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)  # one module: same state, same classes
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
-def test_old_from_import_of_a_name_works() -> None:
-    sys.modules.pop("devicekit.parallel.run", None)
-    with pytest.warns(DeprecationWarning):
-        from devicekit.parallel.run import RunRequest
-    from devicekit.jobs.request import RunRequest as New
+def test_import_installs_no_import_hook() -> None:
+    """``import devicekit`` and its wings leave ``sys.meta_path`` as Python's own."""
+    code = ("import sys; before = list(sys.meta_path)\n"
+            "import devicekit, devicekit.hardware, devicekit.parallel, devicekit.memory, "
+            "devicekit.measure, devicekit.placement, devicekit.serve\n"
+            "added = [f for f in sys.meta_path if f not in before]\n"
+            "assert not added, added")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
-    assert RunRequest is New
 
-
-def test_show_utilization_old_place_warns_and_works() -> None:
+def test_show_utilization_lives_in_one_place() -> None:
     import devicekit.sharing.status_table as table
 
-    with pytest.warns(DeprecationWarning, match="devicekit.memory.utilization"):
-        fn = table.show_utilization
-    assert fn is devicekit.show_utilization
+    assert not hasattr(table, "show_utilization")
+    from devicekit.memory.utilization import show_utilization
+
+    assert show_utilization is devicekit.show_utilization
 
 
-def test_new_paths_do_not_warn() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        for new in OLD_PATHS.values():
-            importlib.import_module(new)
-        importlib.import_module("devicekit.memory.utilization")
+def test_type_checkers_see_every_public_name() -> None:
+    """The ``if TYPE_CHECKING:`` block of ``devicekit/__init__.py`` imports every name of
+    ``_EXPORTS`` from the module it loads from at run time, and nothing else."""
+    import devicekit.errors as errors
+
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If)
+                 and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+    static: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.dump(node)
+        for alias in node.names:
+            if alias.name == "*":
+                static.update({name: f"{node.module}:{name}" for name in errors.__all__})
+            elif node.module in ("devicekit", "devicekit.parallel"):  # a module: dk.memory, dk.dist
+                static[alias.name] = f"{node.module}.{alias.name}"
+            else:
+                static[alias.asname or alias.name] = f"{node.module}:{alias.name}"
+    assert static == devicekit._EXPORTS

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devicekit.errors import DeviceKitError, InvalidSizeError
-from devicekit.units import format_size, parse_percent, parse_size
+from devicekit.units import format_duration, format_size, parse_percent, parse_size
 
 
 @pytest.mark.parametrize(
@@ -67,3 +67,27 @@ def test_the_rule_is_documented_once_in_docs_sizes():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "sizes.md").read_text()
     assert "GB" in doc and "GiB" in doc and "no unit" in doc
+
+
+@pytest.mark.parametrize("seconds,text", [
+    (0, "0s"), (0.5, "0.5s"), (1, "1s"), (45, "45s"), (59.6, "1m"), (90, "1m30s"),
+    (125, "2m05s"), (1800, "30m"), (3725, "1h02m"), (7200, "2h"), (86399, "23h59m"),
+    (90000, "1d01h"), (9999 * 86400 + 86399, "9999d23h"),
+])
+def test_format_duration_one_style(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("seconds,text", [
+    (float("nan"), "?"), (float("inf"), ">9999d"), (-float("inf"), "0s"), (-5, "0s"),
+    (1e300, ">9999d"), (10**400, ">9999d"), (-(10**400), "0s"), (5e-324, "<0.01s"),
+    (None, "?"), ("12", "?"), (True, "?"), ([], "?"),
+])
+def test_format_duration_of_anything_is_short_and_never_raises(seconds, text):
+    # a peer's lease age or a ticket's limit reaches it as the document wrote it
+    assert format_duration(seconds) == text
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers())
+def test_format_duration_is_bounded(seconds):
+    assert 1 <= len(format_duration(seconds)) <= 8

@@ -153,10 +153,56 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # static re-exports for type checkers and IDEs
+# ruff: noqa: F401  (the imports below are the re-exports; __all__ is built from _EXPORTS)
+if TYPE_CHECKING:  # every name of _EXPORTS, for type checkers and IDEs (tests/test_house.py)
+    from devicekit import memory
     from devicekit.errors import *  # noqa: F403
-    from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice  # noqa: F401
-    from devicekit.hardware.host import Host, host  # noqa: F401
-    from devicekit.hardware.inventory import gpus  # noqa: F401
-    from devicekit.selection.choose import select_gpus  # noqa: F401
-    from devicekit.selection.result import Selection  # noqa: F401
+    from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
+    from devicekit.hardware.host import Host, host
+    from devicekit.hardware.inventory import gpus
+    from devicekit.hardware.visible import visible_devices
+    from devicekit.jobs.launch import launch
+    from devicekit.measure.bench_runner import bench
+    from devicekit.measure.report import BenchReport
+    from devicekit.memory.batch_size import find_batch_size
+    from devicekit.memory.estimate import MemoryEstimate, estimate_memory
+    from devicekit.memory.leaks import Leak, LeakDetector, LeakReport, find_leaks
+    from devicekit.memory.oom import install_oom_handler, oom_guard
+    from devicekit.memory.release import empty_cache, release
+    from devicekit.memory.timeline import MemoryTimeline
+    from devicekit.memory.utilization import show_utilization
+    from devicekit.modelparallel.batchnorm import DeferredBatchNorm
+    from devicekit.modelparallel.call_args import Call
+    from devicekit.modelparallel.module_split import ModuleSplit
+    from devicekit.modelparallel.partition import Plan
+    from devicekit.modelparallel.pipeline import Pipeline
+    from devicekit.modelparallel.plan import plan_devices
+    from devicekit.modelparallel.split import SplitModel, split
+    from devicekit.modelparallel.stages import pipeline_stage
+    from devicekit.parallel import dist
+    from devicekit.parallel.balanced_dp import BalancedDataParallel
+    from devicekit.parallel.ddp import (
+        ddp,
+        distributed_loader,
+        distributed_sampler,
+        epochs,
+        join,
+        load_ddp_checkpoint,
+        save_ddp_checkpoint,
+        unwrap_model,
+    )
+    from devicekit.parallel.shard import shard
+    from devicekit.placement.checkpoint import load_checkpoint, save_checkpoint
+    from devicekit.placement.devices import as_device, try_all_gpus, try_gpu
+    from devicekit.placement.metric_log import MetricLog, RunningMean
+    from devicekit.placement.modes import deterministic_mode, performance_mode
+    from devicekit.placement.precision import half, mixed_precision
+    from devicekit.placement.prefetch import Prefetcher
+    from devicekit.placement.sync_guard import sync_guard
+    from devicekit.placement.transfer import device_of, pin_memory, to_device
+    from devicekit.selection.choose import select_gpus
+    from devicekit.selection.result import Selection
+    from devicekit.sharing.leases import Lease, LeaseRecord, read_leases
+    from devicekit.strategy.advise import Advice, advise
+    from devicekit.strategy.equivalence import EquivalenceReport, check_equivalence
+    from devicekit.units import format_size, parse_size

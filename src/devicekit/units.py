@@ -1,4 +1,4 @@
-"""Byte sizes: parse what people type, print what people read.
+"""Byte sizes and durations: parse what people type, print what people read.
 
 The rule (docs/sizes.md says it once for users): every unit is binary, as nvidia-smi and
 PyTorch's out-of-memory message print them. ``K``, ``KB`` and ``KiB`` all mean 1024 bytes; ``M``,
@@ -10,6 +10,11 @@ an ``int`` is an exact byte count, as ``torch.cuda.mem_get_info`` and ``dk.gpus(
 float must be a whole number of bytes (``0.5`` is refused). Simulation files are written by
 hand, so their sizes must be strings with a unit (``parse_size(..., bare=False)``).
 
+Durations print one way everywhere (status, queue, pages, time limits): the two largest units,
+the second two digits wide and left out when zero (``45s``, ``2m05s``, ``1h02m``, ``2h``,
+``3d04h``). :func:`format_duration` takes other people's numbers too (a peer's lease age, a
+ticket's time limit), so any float gives a short string and none raises.
+
 Usage::
 
     from devicekit.units import parse_size, format_size
@@ -19,6 +24,7 @@ Usage::
     parse_size("512M")       # 536870912
     parse_size(1024)         # 1024 (an int is bytes)
     format_size(1536 * 2**20)  # '1.5 GiB'
+    format_duration(3725)    # '1h02m'
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import re
 
 from devicekit.errors import InvalidSizeError
 
-__all__ = ["parse_size", "format_size", "parse_percent", "SIZE_EXAMPLE"]
+__all__ = ["parse_size", "format_size", "format_duration", "parse_percent", "SIZE_EXAMPLE"]
 
 #: what every size error suggests
 SIZE_EXAMPLE = "write it with a unit, e.g. '20GiB' or '512MiB'"
@@ -94,6 +100,35 @@ def format_size(num_bytes: int | float, *, precision: int = 1) -> str:
             return f"{sign}{text} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+#: the longest duration printed as such (about 27 years); anything longer, inf included, is ">9999d"
+_MAX_DAYS = 9999
+
+
+def format_duration(seconds: float) -> str:
+    """``45 -> '45s'``, ``125 -> '2m05s'``, ``3725 -> '1h02m'``, ``7200 -> '2h'``, ``0.5 -> '0.5s'``.
+
+    Never raises and stays short: negative is ``'0s'``, NaN or a non-number (``None``, a string,
+    a bool) ``'?'``, above 9999 days (inf, 1e300) ``'>9999d'``, below 10 ms ``'<0.01s'``.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "?"
+    if seconds != seconds:  # NaN
+        return "?"
+    if seconds <= 0:
+        return "0s"
+    if seconds >= (_MAX_DAYS + 1) * 86400:  # compared as given: an int past float's range too
+        return f">{_MAX_DAYS}d"
+    if seconds < 1:
+        return f"{seconds:.2g}s" if seconds >= 0.01 else "<0.01s"
+    total = round(seconds)
+    for big, small, size in (("d", "h", 86400), ("h", "m", 3600), ("m", "s", 60)):
+        if total >= size:
+            high, rest = divmod(total, size)
+            low = rest // (size // (24 if big == "d" else 60))
+            return f"{high}{big}{low:02d}{small}" if low else f"{high}{big}"
+    return f"{total}s"
 
 
 def parse_percent(value: str | int | float, *, name: str = "percentage") -> float:

@@ -111,6 +111,32 @@ def test_launch_plans_for_each_devices_mode(four_gpus: Path,
         auto.release()
 
 
+def test_errors_speak_the_callers_words(simulate: Callable[..., Path],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """dk.launch is told about its own arguments, devicekit run about its flags."""
+    from devicekit.jobs.allocation import plan_processes
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    simulate([h100(used="70GiB", util=95), h100(used="75GiB", util=90)])
+    with pytest.raises(dk.NoDeviceAvailable) as launch:
+        plan_processes("auto", None)
+    assert "launch() without nprocs: no GPU is free" in str(launch.value)
+    assert "nprocs=N" in str(launch.value) and "--" not in str(launch.value)
+    with pytest.raises(dk.NoDeviceAvailable) as run:
+        allocate("all")
+    assert "--gpus all: no GPU is free" in str(run.value) and "--gpus 0,1" in str(run.value)
+    with pytest.raises(dk.InvalidSizeError, match="^min_free_memory '20' has no unit"):
+        plan_processes("auto", 2, min_free_memory="20")
+    with pytest.raises(dk.InvalidSizeError, match="^--min-free '20' has no unit"):
+        allocate(1, min_free_memory="20")
+    with pytest.raises(dk.InvalidValueError, match="^gpus_per_proc=0 must be"):
+        plan_processes("auto", 1, gpus_per_proc=0)
+    simulate([])
+    with pytest.raises(dk.InvalidSizeError, match="^min_free_memory '20' has no unit"):
+        plan_processes("auto", None, min_free_memory="20")  # checked with no GPU to filter too
+    assert read_leases() == []
+
+
 LEASE_PROBE = textwrap.dedent(
     """
     import json, os

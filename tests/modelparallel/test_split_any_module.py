@@ -16,7 +16,8 @@ from torch import nn
 
 import devicekit as dk
 from devicekit.modelparallel.device_flow import DeviceFlow
-from devicekit.modelparallel.module_split import ModuleSplit, unit_costs
+from devicekit.modelparallel.module_split import ModuleSplit
+from devicekit.modelparallel.unit_plan import unit_costs
 from tests.modelparallel.any_models import ANY_MODELS, GPT, Net, ResNet, any_sample, loss_of, twin
 
 CASES = [("net", 2), ("resnet", 2), ("resnet", 3), ("resnet", 4), ("gpt", 2), ("gpt", 3), ("gpt", 4),

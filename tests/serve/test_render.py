@@ -67,7 +67,7 @@ def test_queue_section_in_metrics_and_page(simulate):
     assert values(text, "devicekit_user_waiting_gpus")[(("user", "<i>carol</i>"),)] == 2
     page = render_fragment(doc)
     assert "<h2>Queue</h2>" in page and "2 GPUs asked, 1 free" in page
-    assert "1h 2m" in page  # bob has waited 62 minutes
+    assert "1h02m" in page  # bob has waited 62 minutes
     assert "&lt;i&gt;carol&lt;/i&gt;" in page and "<i>carol" not in page
     assert "\\x1b[5mfor" in page and "\x1b" not in page and "reserved" in page
 

@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+import pytest
+
 import devicekit as dk
 from devicekit.hardware.gpu import GPU, GPUProcess, MigDevice
 from devicekit.hardware.host import host
@@ -178,3 +180,51 @@ def test_show_utilization_into_a_log_is_not_cut_to_80_columns(simulate, capsys, 
     dk.show_utilization()
     out = capsys.readouterr().out
     assert "2: alice,bob" in out, out
+
+
+def _lab_doc() -> dict:
+    now = time.time()
+    lock = {"gpu_uuid": "GPU-0", "pid": 812, "user": "bob", "host": "node1", "command": "python x.py",
+            "since": now - 3725, "memory": None, "share": False, "kind": "lock", "job": "bert",
+            "idle_since": now - 600, "stopped_since": None}
+    return {"schema": 1, "taken_at": now, "backend": "nvml", "warnings": [],
+            "host": {"hostname": "node1", "cpu_count_logical": 8, "memory_used": GiB,
+                     "memory_total": 8 * GiB},
+            "gpus": [{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H100 80GB HBM3",
+                      "memory_total": 80 * GiB, "memory_used": 10 * GiB, "utilization": 35,
+                      "processes": [], "mig_devices": [], "leases": [lock], "blocked": None}],
+            "other_leases": []}
+
+
+def test_status_and_the_lab_render_one_document_the_same_way():
+    """One renderer: the lock holder and the idle lease read alike here and in --hosts."""
+    from devicekit.serve.lab import HostAnswer
+    from devicekit.serve.lab_page import render_lab_fragment
+    from devicekit.serve.lab_table import render_lab
+    from devicekit.serve.peer_fetch import PeerAddress
+
+    doc = _lab_doc()
+    local = _text(render_status(doc))
+    lab = _text(render_lab([HostAnswer(PeerAddress.parse("node1:9400"), doc)]))
+    for out in (local, lab):
+        row = next(line for line in out.splitlines() if "bob (812)" in line)
+        assert "bob (812) (lock) idle" in row and "10.0/80 GiB" in row and "35%" in row, row
+    assert "bert" in lab and "1h02m" in local and "(lock only) python x.py" in local
+    page = render_lab_fragment({"taken_at": doc["taken_at"], "hosts": [
+        {"host": "node1:9400", "status": doc, "error": None, "age": 1.0}]})
+    assert '<tr class="leased"' in page and "<td>10.0/80 GiB</td>" in page and "idle 10m" in page
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "12", True, None, [], {"x": 1}, -1e300])
+def test_a_document_with_odd_values_renders_without_raising(bad):
+    """The document may be a peer's: every number is checked before it is formatted."""
+    doc = _lab_doc()
+    gpu = doc["gpus"][0]
+    for key in ("index", "memory_total", "memory_used", "utilization", "temperature",
+                "power_draw", "capability"):
+        gpu[key] = bad
+    gpu["leases"][0].update(since=bad, memory=bad, pid=bad, idle_since=bad)
+    doc["host"].update(cpu_count_logical=bad, load_average=[bad], memory_used=bad)
+    doc["taken_at"] = bad
+    out = _text(render_status(doc))
+    assert "bob" in out and "Leases" in out

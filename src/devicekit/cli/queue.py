@@ -88,18 +88,9 @@ def _inert(text: object, width: int | None = None) -> str:
     return out
 
 
-def _ago(since: float) -> str:
-    seconds = max(time.time() - since, 0.0)
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
-
-
 def render(doc: dict[str, Any]) -> list[str]:
     """The text ``devicekit queue`` prints for a ``--json`` document."""
-    from devicekit.jobs.time_limit import format_duration
+    from devicekit.units import format_duration
 
     lines: list[str] = []
     policy = doc.get("policy") or {}
@@ -116,8 +107,9 @@ def render(doc: dict[str, Any]) -> list[str]:
     rows = [["TICKET", "USER", "PID", "ASKS", "WAITING", "LIMIT", "RESERVED", "REASON", "COMMAND"]]
     for w in doc["waiting"]:
         since = time.strftime("%H:%M", time.localtime(w["since"]))
+        waited = format_duration(time.time() - w["since"])
         asked = str(w["gpus_asked"]) + (f" {w['filters']}" if w["filters"] else "")
-        rows.append([w["ticket"], w["user"], str(w["pid"]), asked, f"{since} ({_ago(w['since'])})",
+        rows.append([w["ticket"], w["user"], str(w["pid"]), asked, f"{since} ({waited})",
                      format_duration(w["time_limit"]) if w["time_limit"] else "-",
                      ",".join(g.replace("GPU ", "") for g in w["reserved"]) or "-",
                      w["reason"], w["command"]])

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devicekit.errors import DeviceKitError, InvalidValueError, NoDeviceAvailable
-from devicekit.units import parse_size
+from devicekit.units import format_size, parse_size
 
-__all__ = ["Allocation", "allocate", "plan_processes", "devices_mode", "positive_count", "DEVICE_MODES"]
+__all__ = ["Allocation", "allocate", "plan_processes", "devices_mode", "positive_count", "DEVICE_MODES",
+           "CallerWords", "CLI", "LAUNCH"]
 
 
 @dataclass
@@ -78,9 +79,24 @@ class Allocation:
             self.selection.release()
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidValueError(f"{name}={value!r} must be a positive integer")
+@dataclass(frozen=True)
+class CallerWords:
+    """What the caller calls each knob, so that every error speaks its language: a
+    ``devicekit run`` user reads ``--gpus``, a ``dk.launch`` caller ``nprocs``."""
+
+    procs: str
+    per_proc: str
+    min_free: str
+    #: the request for every free GPU: ``--gpus all``, ``launch() without nprocs``
+    all_free: str
+    #: how to use busy GPUs too ({every}: the indices of all GPUs)
+    use_busy: str
+
+
+CLI = CallerWords("--procs", "--gpus-per-proc", "--min-free", "--gpus all",
+                  "name them, --gpus {every}, or set --max-util/--min-free")
+LAUNCH = CallerWords("nprocs", "gpus_per_proc", "min_free_memory", "launch() without nprocs",
+                     "pass nprocs=N, or devices='visible' to share yours")
 
 
 def allocate(
@@ -95,129 +111,152 @@ def allocate(
     exclude: Sequence[str | int] = (),
     max_utilization: float | str | None = None,
     time_limit: float | None = None,
+    words: CallerWords = CLI,
 ) -> Allocation:
-    """Decide the processes and lease their GPUs.
+    """Decide the processes and lease their GPUs (choosing them is ``select_gpus``'s).
 
-    ``gpus``: a count, ``"all"`` (every GPU that passes the filters) or None (not asked).
-    ``gpu_ids``: exactly these GPUs (indices or UUIDs), rank 0 on the first; all of them must
-    pass the filters or nothing is leased. ``exclude`` and ``max_utilization`` filter as in
-    :func:`~devicekit.selection.choose.select_gpus`; ``time_limit`` (seconds) is the job's
-    declared limit, for the queue's backfill.
-    ``procs``: processes wanted, or None. Rules: with GPUs present, ``procs`` processes get
-    ``gpus_per_proc`` GPUs each (default: one process, or ``gpus // gpus_per_proc``); with no
-    GPU and ``gpus`` not given, ``procs`` (default 1) CPU processes; ``gpus`` given but no GPU
-    usable raises :class:`NoDeviceAvailable` listing why. ``command`` is recorded in the lease.
+    ``gpus``: a count, ``"all"`` (every GPU that passes the filters; without filters, every GPU
+    no other job uses: :func:`busy_reason`) or None (not asked). ``gpu_ids``: exactly these GPUs
+    (indices or UUIDs), rank 0 on the first; all of them must pass the filters or nothing is
+    leased. ``exclude``, ``max_utilization``, ``min_free_memory``, ``wait`` and ``time_limit``
+    go to :func:`~devicekit.selection.choose.select_gpus`. ``procs``: processes wanted, or None.
+    Rules: with GPUs present, ``procs`` processes get ``gpus_per_proc`` GPUs each (default: one
+    process, or ``gpus // gpus_per_proc``); with no GPU (or every GPU hidden by
+    ``CUDA_VISIBLE_DEVICES``) and ``gpus`` not given, ``procs`` (default 1) CPU processes;
+    ``gpus`` given but no GPU usable raises :class:`NoDeviceAvailable` listing why.
+    ``command`` is recorded in the lease; ``words`` names the knobs in errors.
     """
     from devicekit.hardware.inventory import backend
     from devicekit.hardware.inventory import gpus as inventory_gpus
 
-    _positive("gpus_per_proc", gpus_per_proc)
-    _positive("procs", procs)
+    for value, name in ((gpus_per_proc, words.per_proc), (procs, words.procs)):
+        if value is not None:
+            positive_count(value, name)
     if min_free_memory is not None:  # checked even where there is no GPU to filter
-        parse_size(min_free_memory, name="--min-free")
-    if isinstance(gpus, str):
-        if gpus.strip().lower() != "all":
-            try:
-                gpus = int(gpus)
-            except ValueError:
-                raise InvalidValueError(f"--gpus {gpus!r} must be a number or 'all'") from None
-        else:
-            gpus = "all"
-    if gpus == 0:
-        raise InvalidValueError(
-            "--gpus 0 asks for no GPU: drop --gpus to run on the CPU; for GPU 0 itself write"
-            " --gpus 0, (a list of one) or --gpu-ids 0")
-    if gpus != "all":
-        _positive("gpus", gpus)  # type: ignore[arg-type]
+        parse_size(min_free_memory, name=words.min_free)
+    gpus = _gpu_count(gpus)
     present = inventory_gpus()
-    ids: list[str] = []
-    if gpu_ids:
-        if gpus is not None:
-            raise InvalidValueError(f"GPU ids {','.join(map(str, gpu_ids))} and --gpus {gpus} both"
-                                    " say which GPUs; give one")
-        if not present:
-            raise NoDeviceAvailable(
-                f"GPUs {','.join(map(str, gpu_ids))} asked but this machine has no GPU; drop them to"
-                " run on the CPU", [getattr(backend(), "reason", "no GPU found")])
-        ids = _resolve_ids(present, gpu_ids)
+    ids = _gpu_ids(present, gpu_ids, gpus, exclude)
+    if ids:
         gpus = len(ids)
-    if present and gpus is None and not ids and _all_hidden(present):
+    if present and gpus is None and _all_hidden(present):
         # the default is one GPU where there is one, the CPU otherwise: with every GPU hidden
         # (CUDA_VISIBLE_DEVICES=-1 or ""), there is none this job may use
-        raw = os.environ.get("CUDA_VISIBLE_DEVICES")
-        count = procs or 1
-        what = "1 process" if count == 1 else f"{count} processes with gloo"
-        return Allocation(count, gpus_per_proc, None,
-                          f"running on the CPU ({what}): CUDA_VISIBLE_DEVICES={raw!r} hides every"
-                          f" GPU ({len(present)} on this machine); unset it or ask --gpus N to use them")
+        return _on_cpu(procs, gpus_per_proc, "running on the CPU (WHAT): CUDA_VISIBLE_DEVICES="
+                       f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r} hides"
+                       f" every GPU ({len(present)} on this machine); unset it or ask --gpus N"
+                       " to use them")
     if not present:
-        if gpus is not None:
-            why = getattr(backend(), "reason", "no GPU found")
-            raise NoDeviceAvailable(
-                f"--gpus {gpus} asked but this machine has no GPU ({why}); drop --gpus to run on"
-                " the CPU",
-                [why],
-            )
         why = getattr(backend(), "reason", None) or "the GPU list is empty"
-        count = procs or 1
-        what = "1 process" if count == 1 else f"{count} processes with gloo"
-        return Allocation(count, gpus_per_proc, None,
-                          f"no GPU on this machine, running on the CPU ({what}); why: {why}")
-
-    if gpus == "all":
-        if procs is not None:
-            raise InvalidValueError(
-                f"--gpus all starts one process per --gpus-per-proc GPUs itself; --procs {procs}"
-                " would be ignored: drop it, or give --gpus N"
-            )
-        count = None
-    elif gpus is not None:
-        if gpus % gpus_per_proc:
-            raise InvalidValueError(
-                f"--gpus {gpus} is not a multiple of --gpus-per-proc {gpus_per_proc}"
-            )
-        if procs is not None and procs * gpus_per_proc != gpus:
-            raise InvalidValueError(
-                f"--procs {procs} x --gpus-per-proc {gpus_per_proc} does not match --gpus {gpus};"
-                f" give --procs that divides {gpus} (each process then drives --gpus/--procs GPUs),"
-                " or only one of --gpus and --procs"
-            )
-        count = gpus
-    else:
-        count = (procs or 1) * gpus_per_proc
+        if gpus is not None:
+            raise NoDeviceAvailable(f"--gpus {gpus} asked but this machine has no GPU ({why});"
+                                    " drop --gpus to run on the CPU", [why])
+        return _on_cpu(procs, gpus_per_proc,
+                       f"no GPU on this machine, running on the CPU (WHAT); why: {why}")
+    count = _lease_count(gpus, procs, gpus_per_proc)
+    every = ",".join(str(g.index) for g in present)
     busy: list[tuple[Any, str]] = []
     if gpus == "all" and min_free_memory is None and max_utilization is None:
         busy = [(g, why) for g in present if (why := busy_reason(g))]
         if len(busy) == len(present):
             lines = [f"{g.label}: {why}" for g, why in busy]
-            raise NoDeviceAvailable(
-                f"--gpus all: no GPU is free ({'; '.join(lines)}); name the ones to share"
-                f" (--gpus {','.join(str(g.index) for g in present)}) or set --max-util/--min-free",
-                lines, waiting_helps=False)
-    filters = {"min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
-               "max_utilization": max_utilization, "time_limit": time_limit, "gpus": present,
-               "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids),
-                           *(g.uuid for g, _ in busy)]}
+            raise NoDeviceAvailable(f"{words.all_free}: no GPU is free ({'; '.join(lines)}); to"
+                                    f" use busy ones: {words.use_busy.format(every=every)}",
+                                    lines, waiting_helps=False)
+    selection = _lease(count, gpus_per_proc, {
+        "min_free_memory": min_free_memory, "wait": wait, "lease": True, "command": command,
+        "max_utilization": max_utilization, "time_limit": time_limit, "gpus": present,
+        "exclude": [*exclude, *(g.uuid for g in present if ids and g.uuid not in ids),
+                    *(g.uuid for g, _ in busy)]})
     if ids:
-        named = [p.strip() for e in exclude for p in str(e).split(",") if p.strip()]
-        clash = [e for e in named if _resolve_ids(present, [e])[0] in ids]
-        if clash:
-            raise InvalidValueError(f"GPU {clash[0]!r} is both asked for and excluded; drop it"
-                                    " from one of the lists")
-        selection = _lease(count, gpus_per_proc, filters)
         selection.gpus = sorted(selection.gpus, key=lambda g: ids.index(g.uuid))  # as asked
-    else:
-        selection = _strongest_first(_lease(count, gpus_per_proc, filters))
-    chosen = len(selection.gpus)
-    nprocs = chosen // gpus_per_proc
-    names = ", ".join(f"{g.label} ({g.name}, {_free(g)} free)" for g in selection.gpus)
-    reason = f"leased {names} for {nprocs} process(es) x {gpus_per_proc} GPU(s)"
-    every = ",".join(str(g.index) for g in present)
-    skipped = [f"{g.label}: {why}; --gpus all takes the free GPUs (to use it too, name them:"
-               f" --gpus {every})" for g, why in busy]
+    else:  # rank 0 (cuda:0) on the strongest GPU: on a mixed machine the rank that logs,
+        # saves and evaluates is not the slowest
+        from devicekit.hardware.capability import strongest_first
+
+        selection.gpus = strongest_first(selection.gpus)
+    nprocs = len(selection.gpus) // gpus_per_proc
+    names = ", ".join(f"{g.label} ({g.name}, {format_size(g.memory_free)} free)"
+                      for g in selection.gpus)
+    skipped = [f"{g.label}: {why}; {words.all_free} takes the free GPUs (to use it too:"
+               f" {words.use_busy.format(every=every)})" for g, why in busy]
     rejected = [line for line in selection.rejected
                 if not any(line.startswith(f"{g.label}:") for g, _ in busy)]
-    return Allocation(nprocs, gpus_per_proc, selection, reason, [*skipped, *rejected])
+    return Allocation(nprocs, gpus_per_proc, selection,
+                      f"leased {names} for {nprocs} process(es) x {gpus_per_proc} GPU(s)",
+                      [*skipped, *rejected])
+
+
+def _gpu_count(gpus: int | str | None) -> int | str | None:
+    """``--gpus``: None, ``"all"`` or a count >= 1 (GPU 0 itself is ``--gpus 0,``)."""
+    if isinstance(gpus, str):
+        if gpus.strip().lower() == "all":
+            return "all"
+        try:
+            gpus = int(gpus)
+        except ValueError:
+            raise InvalidValueError(f"--gpus {gpus!r} must be a number or 'all'") from None
+    if gpus == 0:
+        raise InvalidValueError(
+            "--gpus 0 asks for no GPU: drop --gpus to run on the CPU; for GPU 0 itself write"
+            " --gpus 0, (a list of one) or --gpu-ids 0")
+    return gpus if gpus is None else positive_count(gpus, "gpus")
+
+
+def _gpu_ids(present: Sequence[Any], gpu_ids: Sequence[str | int] | None,
+             gpus: int | str | None, exclude: Sequence[str | int]) -> list[str]:
+    """UUIDs of the GPUs named by index or UUID (prefix), in order; none named: ``[]``."""
+    if not gpu_ids:
+        return []
+    named = ",".join(map(str, gpu_ids))
+    if gpus is not None:
+        raise InvalidValueError(f"GPU ids {named} and --gpus {gpus} both say which GPUs; give one")
+    if not present:
+        from devicekit.hardware.inventory import backend
+
+        raise NoDeviceAvailable(f"GPUs {named} asked but this machine has no GPU; drop them to"
+                                " run on the CPU", [getattr(backend(), "reason", "no GPU found")])
+    from devicekit.selection.exclude import excluded, parse_exclude
+
+    uuids: list[str] = []
+    for entry in gpu_ids:
+        (uuid,) = excluded(present, parse_exclude(str(entry).strip() or "?"), what="GPU")
+        if uuid in uuids:
+            raise InvalidValueError(f"GPU {str(entry).strip()!r} is named twice")
+        uuids.append(uuid)
+    clash = excluded(present, parse_exclude(exclude)) & set(uuids) if exclude else set()
+    if clash:
+        index = next(g.index for g in present if g.uuid in clash)
+        raise InvalidValueError(f"GPU {index} is both asked for and excluded; drop it from one"
+                                " of the lists")
+    return uuids
+
+
+def _lease_count(gpus: int | str | None, procs: int | None, per_proc: int) -> int | None:
+    """How many GPUs to lease (None: every free one), checking that the counts agree."""
+    if gpus == "all":
+        if procs is not None:
+            raise InvalidValueError(
+                f"--gpus all starts one process per --gpus-per-proc GPUs itself; --procs {procs}"
+                " would be ignored: drop it, or give --gpus N")
+        return None
+    if gpus is None:
+        return (procs or 1) * per_proc
+    if gpus % per_proc:  # type: ignore[operator]
+        raise InvalidValueError(f"--gpus {gpus} is not a multiple of --gpus-per-proc {per_proc}")
+    if procs is not None and procs * per_proc != gpus:
+        raise InvalidValueError(
+            f"--procs {procs} x --gpus-per-proc {per_proc} does not match --gpus {gpus}; give"
+            f" --procs that divides {gpus} (each process then drives --gpus/--procs GPUs), or"
+            " only one of --gpus and --procs")
+    return gpus  # type: ignore[return-value]
+
+
+def _on_cpu(procs: int | None, per_proc: int, reason: str) -> Allocation:
+    """``procs`` (default 1) CPU processes; ``reason`` says why, its WHAT how many."""
+    count = procs or 1
+    what = "1 process" if count == 1 else f"{count} processes with gloo"
+    return Allocation(count, per_proc, None, reason.replace("WHAT", what, 1))
 
 
 #: ``launch(devices=...)``: lease GPUs (CPU without any) / CPU ranks, GPUs hidden / see every
@@ -250,9 +289,11 @@ def plan_processes(devices: str, nprocs: int | None, gpus_per_proc: int = 1,
 
     if devices == "auto":
         if not inventory_gpus():
-            return allocate(None, nprocs, gpus_per_proc=gpus_per_proc)
+            return allocate(None, nprocs, gpus_per_proc=gpus_per_proc,
+                            min_free_memory=min_free_memory, words=LAUNCH)
         gpus: int | str = "all" if nprocs is None else positive_count(nprocs) * gpus_per_proc
-        return allocate(gpus, None, gpus_per_proc=gpus_per_proc, min_free_memory=min_free_memory)
+        return allocate(gpus, None, gpus_per_proc=gpus_per_proc, min_free_memory=min_free_memory,
+                        words=LAUNCH)
     if devices == "cpu":
         count = positive_count(nprocs if nprocs is not None else 1)
         return Allocation(count, 1, None,
@@ -272,25 +313,6 @@ def positive_count(value: Any, name: str = "procs") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidValueError(f"{name}={value!r} must be a positive integer")
     return value
-
-
-def _resolve_ids(present: Sequence[Any], ids: Sequence[str | int]) -> list[str]:
-    """UUIDs of the GPUs named by index or (a prefix of) UUID; one-line errors for typos."""
-    uuids: list[str] = []
-    for raw in ids:
-        entry = str(raw).strip()
-        if entry.isdigit():
-            found = [g for g in present if g.index == int(entry)]
-        else:
-            found = [g for g in present if entry and g.uuid.lower().startswith(entry.lower())]
-        if len(found) != 1:
-            why = "matches several GPUs" if found else "matches no GPU"
-            raise InvalidValueError(
-                f"GPU {entry!r} {why}; use an index or UUID from 'devicekit status'")
-        if found[0].uuid in uuids:
-            raise InvalidValueError(f"GPU {entry!r} is named twice")
-        uuids.append(found[0].uuid)
-    return uuids
 
 
 def _lease(count: int | None, per_proc: int, kwargs: dict[str, Any]) -> Any:
@@ -318,8 +340,6 @@ BUSY_UTILIZATION = 10.0
 
 def busy_reason(gpu: Any) -> str | None:
     """Why ``gpu`` is not free for ``--gpus all`` (another job's load or memory), or None."""
-    from devicekit.units import format_size
-
     used_share = gpu.memory_used / gpu.memory_total if gpu.memory_total else 0.0
     util = gpu.utilization
     if used_share <= BUSY_MEMORY_SHARE and (util is None or util <= BUSY_UTILIZATION):
@@ -339,18 +359,3 @@ def _all_hidden(present: Sequence[Any]) -> bool:
         return not visible_devices(present, warn=False)
     except DeviceKitError:  # a malformed value: select_gpus names it in one line
         return False
-
-
-def _strongest_first(selection: Any) -> Any:
-    """Rank 0 (and ``cuda:0``) gets the strongest GPU, so on a mixed machine the rank that logs,
-    saves and evaluates is not the slowest."""
-    from devicekit.hardware.capability import strongest_first
-
-    selection.gpus = strongest_first(selection.gpus)
-    return selection
-
-
-def _free(gpu: Any) -> str:
-    from devicekit.units import format_size
-
-    return format_size(gpu.memory_free)

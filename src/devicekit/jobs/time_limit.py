@@ -27,17 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TimeLimit", "format_duration", "declared_limit", "enforced_limit"]
+from devicekit.units import format_duration
 
-
-def format_duration(seconds: float) -> str:
-    """``1800`` -> ``"30m"``, ``90`` -> ``"1m30s"``, ``7200`` -> ``"2h"``."""
-    if seconds < 60 or seconds != int(seconds):
-        return f"{seconds:g}s"
-    total = int(seconds)
-    h, rest = divmod(total, 3600)
-    m, s = divmod(rest, 60)
-    return "".join(f"{v}{u}" for v, u in ((h, "h"), (m, "m"), (s, "s")) if v)
+__all__ = ["TimeLimit", "declared_limit", "enforced_limit"]
 
 
 @dataclass

@@ -20,8 +20,5 @@ Usage::
 
 from devicekit.measure.bench_runner import bench
 from devicekit.measure.report import BenchReport, DeviceBench, Figure
-from devicekit.moved import alias_modules
-
-alias_modules(__name__, {"run": "devicekit.measure.bench_runner", "table": "devicekit.measure.bench_table"})
 
 __all__ = ["bench", "BenchReport", "DeviceBench", "Figure"]

@@ -76,7 +76,3 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
-
-from devicekit.moved import alias_modules  # noqa: E402
-
-alias_modules(__name__, {"table": "devicekit.memory.usage_table"})

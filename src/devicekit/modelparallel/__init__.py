@@ -37,9 +37,10 @@ One concept per file, in layers (each imports only those below it):
   ``device_flow``, ``worker``, ``copy_streams``, ``recompute``, ``microbatch``, ``schedule``,
   ``batchnorm``, ``stays``, ``device_list``, ``call_args``, ``output_join``, ``microbatch_threads``.
 
-What it may import: ``placement`` (devices, moving nested tensors), ``hardware`` (the inventory,
+What it imports: ``placement`` (devices, moving nested tensors), ``hardware`` (the inventory,
 for default budgets; imported inside the function that needs it), ``units`` and ``errors``.
-Nothing in ``parallel``, ``memory``, ``launch`` or above: those may import this wing.
+It shares its floor with ``parallel`` and may import the floors below (tests/test_house.py):
+never ``jobs``, ``strategy`` or a front door, which are the wings that may import it.
 """
 
 from devicekit.modelparallel.call_args import Call

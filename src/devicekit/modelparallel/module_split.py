@@ -4,8 +4,8 @@ The seeds' hand-written version (``self.sub_network1.cuda(0)``, ``x = x.cuda(1)`
 ``forward``), done for a model as it is: its units (submodules; see
 :mod:`~devicekit.modelparallel.module_units`) are found in the order they run on ``sample``,
 cut into balanced groups in run order (:mod:`~devicekit.modelparallel.unit_plan`; an
-``nn.Sequential``'s units are its layers), and each unit is moved to its device. A hook moves each unit's inputs to its device; outputs stay where they are
-produced, so autograd carries gradients back; ops in a parent's own ``forward`` that meet
+``nn.Sequential``'s units are its layers), and each unit is moved to its device. A hook
+moves each unit's inputs to its device; outputs stay where they are produced, so autograd carries gradients back; ops in a parent's own ``forward`` that meet
 tensors from two devices are handled by :mod:`~devicekit.modelparallel.device_flow`. Units that
 share parameters (tied embeddings) stay on one device even when other units run between them
 (the device map need not be consecutive), and the plan says where.
@@ -23,7 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,9 +33,8 @@ from devicekit.modelparallel.device_flow import DeviceFlow
 from devicekit.modelparallel.module_units import own_tensors
 from devicekit.modelparallel.partition import Plan
 from devicekit.modelparallel.stays import SPLIT_ATTR, StaysOnPlan
-from devicekit.modelparallel.unit_plan import plan_module, unit_costs
 
-__all__ = ["ModuleSplit", "split_module", "plan_module", "unit_costs"]
+__all__ = ["ModuleSplit"]
 
 
 def _placement(model: nn.Module, plan: Plan) -> tuple[list[tuple[str, nn.Module, torch.device]],
@@ -130,12 +128,3 @@ class ModuleSplit(StaysOnPlan):
     def extra_repr(self) -> str:
         return f"devices={[str(d) for d in self.devices]}, counts={self.plan.counts}"
 
-
-def split_module(
-    model: nn.Module, devices: list[torch.device] | Plan, *, balance: str | Sequence[int] = "size",
-    sample: Any = None, optimizer: str | float | None = "adam",
-) -> ModuleSplit:
-    """Plan (unless ``devices`` is a Plan) and place ``model``; see the module doc."""
-    plan = devices if isinstance(devices, Plan) else plan_module(
-        model, devices, balance=balance, sample=sample, optimizer=optimizer)
-    return ModuleSplit(model, plan)

@@ -22,8 +22,7 @@ Devices may repeat and may be ``"cpu"`` (offload).
 Usage::
 
     import torch
-    import torch
-from torch import nn
+    from torch import nn
     import devicekit as dk
 
     model = dk.split(Net(), ["cuda:0", "cuda:1"])          # the seeds' Net, in one line

@@ -20,19 +20,4 @@ Usage::
     loader = dk.distributed_loader(dataset, batch_size=32)
     for epoch in dk.epochs(loader, 10):
         for x, y in loader: ...
-
-Old paths: the launch modules (``run``, ``launch``, ``supervise``, ...) moved to
-:mod:`devicekit.jobs` and ``advise``/``equivalence`` to :mod:`devicekit.strategy`;
-``devicekit.parallel.<old>`` still imports them, with a ``DeprecationWarning``, until the next
-release.
 """
-
-from devicekit.moved import alias_modules
-
-alias_modules("devicekit.parallel", {
-    **{name: f"devicekit.jobs.{name}" for name in (
-        "run", "run_world", "supervise", "launch", "outer", "rank_process", "torchrun_entry",
-        "allocation", "threads")},
-    "advise": "devicekit.strategy.advise",
-    "equivalence": "devicekit.strategy.equivalence",
-})

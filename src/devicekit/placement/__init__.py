@@ -23,7 +23,3 @@ Usage::
         ...
     dk.save_checkpoint(model.state_dict(), "last.pt")
 """
-
-from devicekit.moved import alias_modules
-
-alias_modules(__name__, {"metrics": "devicekit.placement.metric_log"})

@@ -6,7 +6,7 @@
 (order, choice, a line for each reject) -> :mod:`.grant` (the lease) -> :class:`.result.Selection`.
 Waiting for GPUs shows a progress line (:mod:`.waiting`); ``exclude`` is parsed by :mod:`.exclude`.
 
-May import: ``units``, ``errors``, ``hardware``, ``sharing`` (and ``moved``); never torch at
+May import: ``units``, ``errors``, ``hardware``, ``sharing``; never torch at
 module level. Tests: ``tests/selection/`` (``request_path.py`` follows ``devicekit run``'s
 request through the files).
 

@@ -34,8 +34,10 @@ def parse_exclude(exclude: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def excluded(devices: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
-    """UUIDs of the devices ``exclude`` names; an entry naming no GPU is an error (a typo).
+def excluded(devices: Sequence[GPU], exclude: tuple[str, ...], *,
+             what: str = "exclude entry") -> set[str]:
+    """UUIDs of the devices ``exclude`` names; an entry naming no GPU is an error (a typo),
+    saying ``what`` the entry was (``"GPU"`` where the caller names GPUs to use).
 
     An index or a GPU UUID in MIG mode names every MIG instance of that GPU; a ``MIG-`` UUID
     names one instance.
@@ -52,7 +54,7 @@ def excluded(devices: Sequence[GPU], exclude: tuple[str, ...]) -> set[str]:
                 len(found) > 1 and not entry.isdigit() and _names(entry, found[0].uuid)):
             why = "matches several GPUs" if found else "matches no GPU"
             raise InvalidValueError(
-                f"exclude entry {entry!r} {why}; use an index or UUID from 'devicekit status'"
+                f"{what} {entry!r} {why}; use an index or UUID from 'devicekit status'"
             )
         chosen.update(d.uuid for d in found)
     return chosen

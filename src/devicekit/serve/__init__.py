@@ -25,9 +25,6 @@ Usage::
 
 from __future__ import annotations
 
-from devicekit.moved import alias_modules
 from devicekit.serve.server import StatusServer
-
-alias_modules(__name__, {"metrics": "devicekit.serve.prometheus"})
 
 __all__ = ["StatusServer"]

@@ -23,8 +23,9 @@ from typing import Any
 from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import gpus_asked, queue_tickets
 from devicekit.serve.prometheus import free_devices
-from devicekit.serve.time_text import clock, duration, iso
-from devicekit.units import format_size
+from devicekit.serve.time_text import clock, iso
+from devicekit.sharing.status_table import gpu_cells, gpu_state
+from devicekit.units import format_duration
 
 __all__ = ["render_lab_page", "render_lab_fragment"]
 
@@ -86,7 +87,7 @@ def _host(host: dict[str, Any], now: float) -> str:
                                else "") + f"{badge}</h2>"]
     age = host.get("age")
     if isinstance(age, int | float) and not isinstance(age, bool):
-        parts.append(f'<p class="facts">answer {duration(age)} old</p>')
+        parts.append(f'<p class="facts">answer {format_duration(age)} old</p>')
     if host.get("error"):
         what = "no answer" if status is None else "latest read failed, showing the last answer"
         parts.append(f'<p class="error" role="alert">{what}: {esc(host["error"])}</p>')
@@ -103,24 +104,19 @@ def _host(host: dict[str, Any], now: float) -> str:
 
 
 def _gpu_table(status: dict[str, Any], now: float) -> str:
-    gpus = status.get("gpus") or []
+    gpus = [g for g in status.get("gpus") or () if isinstance(g, dict)]
     if not gpus:
         return '<p class="empty">No GPUs.</p>'
     rows = []
     for gpu in gpus:
-        util = gpu.get("utilization")
-        used, total = int(gpu.get("memory_used") or 0), int(gpu.get("memory_total") or 0)
-        leases = gpu.get("leases") or []
-        state = "blocked" if gpu.get("blocked") else "leased" if leases else \
-            "in-use" if gpu.get("processes") else "free"
-        users = sorted({str(p.get("user") or "?") for p in gpu.get("processes") or []})
+        cells, state = gpu_cells(gpu), gpu_state(gpu)
+        leases = [r for r in gpu.get("leases") or () if isinstance(r, dict)]
         rows.append(
-            f'<tr class="{state}" data-uuid="{esc(gpu.get("uuid"), 130)}">'
-            f"<td>{esc(gpu.get('index'))}</td><td>{esc(gpu.get('name'), 100)}</td>"
-            f"<td>{'n/a' if util is None else f'{float(util):.0f}%'}</td>"
-            f"<td>{format_size(used)} / {format_size(total)}</td>"
-            f"<td>{_leases(leases, now) if leases else esc(state)}</td>"
-            f"<td>{esc(', '.join(users)) or '-'}</td></tr>")
+            f'<tr class="{state.replace(" ", "-")}" data-uuid="{esc(gpu.get("uuid"), 130)}">'
+            + "".join(f"<td>{esc(cells[key][0], 100)}</td>" for key in ("gpu", "name", "util",
+                                                                          "memory"))
+            + f"<td>{_leases(leases, now) if leases else esc(state)}</td>"
+            f"<td>{esc(cells['users'][0])}</td></tr>")
     return ('<table class="lab-gpus"><thead><tr><th>GPU</th><th>Name</th><th>Util</th>'
             "<th>Memory</th><th>Lease and job</th><th>Processes of</th></tr></thead><tbody>"
             + "".join(rows) + "</tbody></table>")
@@ -135,10 +131,10 @@ def _leases(leases: list[dict[str, Any]], now: float) -> str:
         since = lease.get("since")
         if isinstance(since, int | float) and not isinstance(since, bool):
             bits.append(f'since <time datetime="{iso(float(since))}">{clock(float(since))}'
-                        f"</time> ({duration(now - float(since))})")
+                        f"</time> ({format_duration(now - float(since))})")
         idle = lease.get("idle_since")
         if isinstance(idle, int | float) and not isinstance(idle, bool):
-            bits.append(f'<span class="idle">idle {duration(now - float(idle))}</span>')
+            bits.append(f'<span class="idle">idle {format_duration(now - float(idle))}</span>')
         items.append(" ".join(bits))
     return "<br>".join(items)
 
@@ -150,7 +146,7 @@ def _queue(status: dict[str, Any], now: float) -> str:
     items = []
     for ticket in tickets:
         since = ticket.get("since")
-        waited = duration(now - float(since)) if isinstance(since, int | float) and \
+        waited = format_duration(now - float(since)) if isinstance(since, int | float) and \
             not isinstance(since, bool) else "?"
         items.append(f"<li>{esc(ticket.get('user'), 100)}: {gpus_asked(ticket)} GPU(s), "
                      f"waiting {waited}: {esc(ticket.get('reason') or '')}</li>")

@@ -23,9 +23,9 @@ from typing import Any
 from devicekit.serve.inert import inert_html as esc
 from devicekit.serve.people import OTHER, gpus_asked, queue_tickets, user_totals
 from devicekit.serve.time_text import clock as _clock
-from devicekit.serve.time_text import duration as _duration
 from devicekit.serve.time_text import iso as _iso
-from devicekit.units import format_size
+from devicekit.sharing.status_table import gpu_state
+from devicekit.units import format_duration, format_size
 
 __all__ = ["render_page", "render_fragment"]
 
@@ -142,8 +142,7 @@ def _gpu_card(gpu: dict[str, Any], now: float, hide_commands: bool) -> str:
     if gpu.get("mig_enabled") and not gpu.get("mig_devices"):
         facts.append("MIG mode, no instances")
     leases = gpu.get("leases", [])
-    busy = gpu.get("processes") or (util or 0) > 0 or (total and used / total >= 0.05)
-    state = "leased" if leases else "in use" if busy else "idle"
+    state = gpu_state(gpu)
     parts = [
         f'<section class="gpu {state.replace(" ", "-")}" data-index="{esc(gpu.get("index"))}" '
         f'data-uuid="{esc(gpu.get("uuid"))}">',
@@ -197,13 +196,13 @@ def _lease_list(leases: list[dict[str, Any]], now: float, hide_commands: bool) -
         if lease.get("memory"):
             bits.append(f"{format_size(int(lease['memory']))} asked")
         bits.append(f'since <time datetime="{_iso(since)}">{_clock(since)}</time> '
-                    f"({_duration(now - since)})")
+                    f"({format_duration(now - since)})")
         idle = lease.get("idle_since")
         if isinstance(idle, int | float) and not isinstance(idle, bool):
-            bits.append(f'<span class="idle">GPU idle for {_duration(now - float(idle))}</span>')
+            bits.append(f'<span class="idle">GPU idle for {format_duration(now - float(idle))}</span>')
         limit = lease.get("time_limit")
         if isinstance(limit, int | float) and not isinstance(limit, bool):
-            bits.append(f"time limit {_duration(float(limit))}")
+            bits.append(f"time limit {format_duration(float(limit))}")
         items.append(f'<li class="lease">{", ".join(bits)}</li>')
     return '<ul class="leases">' + "".join(items) + "</ul>"
 
@@ -230,7 +229,7 @@ def _queue(doc: dict[str, Any], now: float) -> str:
     for ticket in tickets:
         since = ticket.get("since")
         waited = (f'<time datetime="{_iso(float(since))}">{_clock(float(since))}</time> '
-                  f"({_duration(now - float(since))})"
+                  f"({format_duration(now - float(since))})"
                   if isinstance(since, int | float) and not isinstance(since, bool) else "?")
         state = "reserved" if ticket.get("reserved") else "waiting"  # GPUs kept free for it
         rows.append(f"<tr><td>{esc(ticket.get('user'))}</td><td>{gpus_asked(ticket)}</td>"

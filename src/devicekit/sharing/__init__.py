@@ -6,10 +6,11 @@ and releases them. Waiting jobs hold tickets (:mod:`.tickets`); :mod:`.queue_ord
 order (FIFO, reservations, backfill) from :mod:`.policy` and :mod:`.fair_share`;
 :mod:`.queue_state` reads it all at one moment and :mod:`.queue_turn` tells one requester what it
 may take. The machine as a whole, facts and holders together, is :mod:`.machine_status`
-(``devicekit status``), :mod:`.status_table` (its table) and :mod:`.doctor_checks`
-(``devicekit doctor``). No torch import.
+(``devicekit status``), :mod:`.status_table` (the one renderer of its GPU table, for
+``status``, ``status --hosts`` and the pages) and :mod:`.doctor_checks` (``devicekit doctor``).
+No torch import.
 
-May import: ``units``, ``errors``, ``hardware`` (and ``moved``); never torch at module level.
+May import: ``units``, ``errors``, ``hardware``; never torch at module level.
 Tests: ``tests/sharing/`` (leases, locks, tickets, queue, policy, status table).
 
 Usage::

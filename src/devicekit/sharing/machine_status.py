@@ -86,7 +86,7 @@ class StatusReport:
             "driver_version": self.driver_version,
             "cuda_driver_version": self.cuda_driver_version,
             "gpus": gpus,
-            "other_leases": [_lease_dict(r) for r in orphans],
+            "other_leases": [_lease_dict(r, self.stopped) for r in orphans],
             "warnings": list(self.warnings),
             **({"queue": list(self.queue)} if self.queue else {}),  # only while tickets wait
         }
