@@ -14,7 +14,7 @@ from devicekit.selection.gpu_request import make_request
 from devicekit.serve.lab import HostAnswer, lab_document
 from devicekit.serve.lab_choice import choose_host, start_command
 from devicekit.serve.lab_hosts import hosts_file, lab_hosts
-from devicekit.serve.peer_document import clean_status
+from devicekit.serve.peer_document import decode_status
 from devicekit.serve.peer_fetch import PeerAddress
 
 
@@ -71,7 +71,7 @@ def _doc(gpus, queue=None):
         for i, g in enumerate(gpus)]}
     if queue is not None:
         doc["queue"] = queue
-    return clean_status(json.loads(json.dumps(doc)))
+    return decode_status(json.dumps(doc).encode())
 
 
 def _answer(label, doc=None, error=None):
@@ -84,7 +84,7 @@ def test_choice_judges_each_host_with_selections_filters():
         _answer("a:1", _doc([{"leases": [lease]}, {}])),                     # 1 free
         _answer("b:1", _doc([{}, {"blocked": "squatted by eve"}, {}],        # 1 free
                             queue=[{"ticket": "4", "user": "dave", "gpus_asked": 1,
-                                    "reserved_uuids": ["GPU-2"], "since": 1.0}])),
+                                    "reserved_uuids": ["GPU-2"], "since": time.time() - 60}])),
         _answer("c:1", _doc([{}, {"memory_used": 70 * 2**30, "memory_free": 10 * 2**30}, {}])),
         _answer("d:1", error="connection refused"),
     ]
