@@ -37,7 +37,7 @@ import msgspec
 
 from devicekit.serve.inert import inert_text
 from devicekit.serve.peer_fetch import PeerError
-from devicekit.serve.peer_schema import PeerLease, PeerStatus, is_identifier
+from devicekit.serve.peer_schema import PeerLease, PeerStatus, cut_texts, is_identifier
 
 __all__ = ["decode_status", "is_identifier", "MAX_DOCUMENT", "PAST_SECONDS", "SKEW_SECONDS"]
 
@@ -67,6 +67,7 @@ def decode_status(body: bytes, *, now: float | None = None) -> dict[str, Any]:
         raise PeerError(f"sent an answer that is not JSON ({inert_text(exc, 80)})") from None
     except RecursionError:
         raise PeerError("sent JSON nested deeper than Python's recursion limit: refused") from None
+    cut_texts(doc)
     _check_times(doc, time.time() if now is None else now)
     _check_unique(doc)
     encoded = msgspec.json.encode(doc)

@@ -5,7 +5,9 @@ types (:mod:`~devicekit.serve.peer_document` does it, once): a value of the wron
 number outside its range (NaN and infinities are no JSON, ``1e999`` is out of range), an
 identifier not in its format or a list longer than any real machine's fails the whole document,
 with the JSON path of the bad value. Free text (commands, user names, reasons) is cut to its
-bound as it is decoded, never refused: it is another user's text, printed inert downstream.
+bound by :func:`cut_texts` once the lists are known to be short, never refused: it is another
+user's text, printed inert downstream. No type here runs Python code while msgspec decodes (a
+``__post_init__`` per item made a 4 MiB list of tiny items 10x slower to refuse).
 Fields a newer devicekit adds are skipped; the schema is ``status --json``'s (docs/cli.md).
 
 The bounds, stated once (docs/lab.md has them as a table):
@@ -37,7 +39,7 @@ from msgspec import Meta
 __all__ = ["PeerStatus", "PeerGPU", "PeerMig", "PeerProcess", "PeerLease", "PeerTicket",
            "PeerHost", "is_identifier", "UUID_PATTERN", "MAX_GPUS", "MAX_MIG", "MAX_PROCESSES",
            "MAX_GPU_LEASES", "MAX_MIG_LEASES", "MAX_OTHER_LEASES", "MAX_QUEUE", "MAX_TEXT",
-           "MAX_WARNINGS"]
+           "MAX_WARNINGS", "TEXT_LIMITS", "cut_texts"]
 
 #: GPUs one peer may list (a DGX has 8; MIG instances are listed under their GPU)
 MAX_GPUS = 64
@@ -80,10 +82,6 @@ def is_identifier(value: Any) -> bool:
     return isinstance(value, str) and len(value) <= 96 and bool(_UUID_RE.match(value))
 
 
-def cut(value: str | None, limit: int = MAX_TEXT) -> str | None:
-    return value[:limit] if value is not None and len(value) > limit else value
-
-
 class _Base(msgspec.Struct, gc=False):
     """Schema types: decoded by msgspec, never built from a peer's bytes any other way."""
 
@@ -104,10 +102,6 @@ class PeerLease(_Base):
     job: str | None = None
     idle_since: Epoch | None = None
 
-    def __post_init__(self) -> None:
-        self.user, self.host = cut(self.user, 100), cut(self.host, 100)
-        self.command, self.kind, self.job = cut(self.command), cut(self.kind, 10) or "", \
-            cut(self.job, 64)
 
 
 class PeerProcess(_Base):
@@ -116,8 +110,6 @@ class PeerProcess(_Base):
     command: str | None = None
     memory: Bytes | None = None
 
-    def __post_init__(self) -> None:
-        self.user, self.command = cut(self.user, 100), cut(self.command)
 
 
 class PeerMig(_Base):
@@ -129,8 +121,6 @@ class PeerMig(_Base):
     memory_free: Bytes | None = None
     leases: Annotated[list[PeerLease], Meta(max_length=MAX_MIG_LEASES)] = []
 
-    def __post_init__(self) -> None:
-        self.name = cut(self.name, 100) or ""
 
 
 class PeerGPU(_Base):
@@ -155,11 +145,6 @@ class PeerGPU(_Base):
     processes: Annotated[list[PeerProcess], Meta(max_length=MAX_PROCESSES)] = []
     leases: Annotated[list[PeerLease], Meta(max_length=MAX_GPU_LEASES)] = []
 
-    def __post_init__(self) -> None:
-        self.name, self.pci_bus_id = cut(self.name, 100) or "", cut(self.pci_bus_id, 40)
-        self.compute_capability, self.compute_mode = cut(self.compute_capability, 10), \
-            cut(self.compute_mode, 30)
-        self.backend, self.blocked = cut(self.backend, 20), cut(self.blocked)
 
 
 class PeerTicket(_Base):
@@ -179,14 +164,6 @@ class PeerTicket(_Base):
     reason: str | None = None
     backfill: bool = False
 
-    def __post_init__(self) -> None:
-        self.ticket = cut(self.ticket, 20) or ""
-        self.user, self.host = cut(self.user, 100), cut(self.host, 100)
-        self.command, self.filters, self.reason = cut(self.command), cut(self.filters, 200), \
-            cut(self.reason)
-        self.reserved = [cut(r, 40) or "" for r in self.reserved[:MAX_GPUS]]
-        self.reserved_uuids = [u for u in self.reserved_uuids[:MAX_GPUS * (MAX_MIG + 1)]
-                               if is_identifier(u)]
 
 
 class PeerHost(_Base):
@@ -199,8 +176,6 @@ class PeerHost(_Base):
     memory_used: Bytes | None = None
     usable_cpus: Count | None = None
 
-    def __post_init__(self) -> None:
-        self.hostname = cut(self.hostname, 100)
 
 
 class PeerStatus(_Base):
@@ -218,12 +193,53 @@ class PeerStatus(_Base):
     warnings: Annotated[list[str], Meta(max_length=4096)] = []
     queue: Annotated[list[PeerTicket], Meta(max_length=MAX_QUEUE)] = []
 
-    def __post_init__(self) -> None:
-        self.devicekit_version, self.backend = cut(self.devicekit_version, 40), \
-            cut(self.backend, 20)
-        self.driver_version, self.cuda_driver_version = cut(self.driver_version, 40), \
-            cut(self.cuda_driver_version, 20)
-        extra = len(self.warnings) - MAX_WARNINGS
-        self.warnings = [cut(w) or "" for w in self.warnings[:MAX_WARNINGS]]
-        if extra > 0:
-            self.warnings.append(f"{extra} more warning(s) on the host itself")
+
+
+#: the longest text kept of each text field (the rest is cut)
+TEXT_LIMITS: dict[type, dict[str, int]] = {
+    PeerLease: {"user": 100, "host": 100, "command": MAX_TEXT, "kind": 10, "job": 64},
+    PeerProcess: {"user": 100, "command": MAX_TEXT},
+    PeerMig: {"name": 100},
+    PeerGPU: {"name": 100, "pci_bus_id": 40, "compute_capability": 10, "compute_mode": 30,
+              "backend": 20, "blocked": MAX_TEXT},
+    PeerTicket: {"ticket": 20, "user": 100, "host": 100, "command": MAX_TEXT, "filters": 200,
+                 "reason": MAX_TEXT},
+    PeerHost: {"hostname": 100},
+    PeerStatus: {"devicekit_version": 40, "backend": 20, "driver_version": 40,
+                 "cuda_driver_version": 20},
+}
+
+
+def _cut(item: _Base) -> None:
+    for name, limit in TEXT_LIMITS[type(item)].items():
+        value = getattr(item, name)
+        if value is not None and len(value) > limit:
+            setattr(item, name, value[:limit])
+
+
+def cut_texts(doc: PeerStatus) -> None:
+    """Cut every text of a decoded document to its bound (:data:`TEXT_LIMITS`), in place; keep
+    :data:`MAX_WARNINGS` warnings (and say how many more), labels and UUIDs the ticket reserves."""
+    _cut(doc)
+    _cut(doc.host)
+    for gpu in doc.gpus:
+        _cut(gpu)
+        for mig in gpu.mig_devices:
+            _cut(mig)
+            for lease in mig.leases:
+                _cut(lease)
+        for process in gpu.processes:
+            _cut(process)
+        for lease in gpu.leases:
+            _cut(lease)
+    for lease in doc.other_leases:
+        _cut(lease)
+    for ticket in doc.queue:
+        _cut(ticket)
+        ticket.reserved = [label[:40] for label in ticket.reserved[:MAX_GPUS]]
+        ticket.reserved_uuids = [u for u in ticket.reserved_uuids[:MAX_GPUS * (MAX_MIG + 1)]
+                                 if is_identifier(u)]
+    extra = len(doc.warnings) - MAX_WARNINGS
+    doc.warnings = [w[:MAX_TEXT] for w in doc.warnings[:MAX_WARNINGS]]
+    if extra > 0:
+        doc.warnings.append(f"{extra} more warning(s) on the host itself")
