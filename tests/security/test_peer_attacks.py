@@ -255,3 +255,46 @@ def test_a_peer_document_is_decoded_once_at_one_place():
         text = (serve / name).read_text()
         assert "json.loads" not in text and "msgspec.json.decode" not in text, name
         assert "import re\n" not in text or name == "lab_hosts.py", name
+
+
+# --- the defences of round 3 that held, kept tested ----------------------------------------------
+
+def test_a_redirect_is_not_followed(raw_peer):
+    target = raw_peer(answer(GOOD))
+    hops = raw_peer(answer(b"", status="302 Found",
+                           headers=f"Location: http://{target.address}/api/status\r\n"))
+    (got,) = PeerReader().read([PeerAddress.parse(hops.address)], 2.0)
+    assert got.status is None and got.error == "answered HTTP 302"
+
+
+def test_a_silent_peer_costs_its_timeout_only(raw_peer):
+    silent = raw_peer(lambda conn: time.sleep(3))
+    started = time.monotonic()
+    (got,) = PeerReader().read([PeerAddress.parse(silent.address)], 1.0)
+    assert time.monotonic() - started < 2.5 and "within 1 s" in got.error
+
+
+def test_hosts_file_tricks_are_refused_in_one_line(tmp_path):
+    import os
+
+    from devicekit.errors import InvalidValueError
+    from devicekit.serve.lab_hosts import hosts_file, lab_hosts
+
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    path = hosts_file(env)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)  # a FIFO nobody writes: refused, never waited on
+    started = time.monotonic()
+    with pytest.raises(InvalidValueError, match="hosts file"):
+        lab_hosts([], env)
+    assert time.monotonic() - started < 5
+    path.unlink()
+    marker = tmp_path / "ran"
+    for entry, words in [(f"$(touch {marker})", "is not HOST:PORT"),
+                         ("file:///etc/passwd", "must be http://"),
+                         ("`id`:9400", "is not HOST:PORT")]:
+        path.write_text(entry + "\n")
+        with pytest.raises(InvalidValueError, match=words) as info:
+            lab_hosts([], env)
+        assert "line 1" in str(info.value) and "\n" not in str(info.value)
+    assert not marker.exists()
