@@ -6,7 +6,8 @@ whose name takes long to look up, costs its line ("no answer within 3 s"), never
 A peer still being read from an earlier round is not read again until that read ends, so a
 hanging peer holds one thread, not one per round. Each answer is decoded, checked and rebuilt
 by :func:`~devicekit.serve.peer_document.decode_status` before anyone sees it, under the same
-deadline as the read (a peer whose answer is not read and checked in time costs its line).
+deadline as the read (a peer whose answer is not read and checked in time costs its line), one
+answer at a time (decoding holds the GIL anyway; so a hostile body's objects exist once).
 
 :func:`lab_document` is the JSON ``devicekit status --hosts --json`` prints and ``/api/lab``
 serves: ``{"schema": 1, "taken_at", "hosts": [{"host", "url", "local", "ok", "error",
@@ -54,13 +55,22 @@ MAX_LAB_BYTES = 16 * 1024 * 1024
 _GRACE = 0.25
 
 Fetch = Callable[[PeerAddress, float], dict[str, Any]]
+_DECODING = threading.Lock()
 
 
 def fetch_status(peer: PeerAddress, timeout: float) -> dict[str, Any]:
     """One peer's checked status document, read and checked within ``timeout``;
     :class:`PeerError` saying why not."""
     deadline = time.monotonic() + timeout
-    doc = decode_status(fetch_body(peer, "/api/status", timeout=timeout))
+    body = fetch_body(peer, "/api/status", timeout=timeout)
+    # one document decoded at a time: decoding holds the GIL anyway, and so the objects a
+    # hostile 4 MiB body builds before it is refused (~6x its size) exist once, not per peer
+    if not _DECODING.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        raise PeerError(f"answer not checked within {timeout:g} s (other hosts' answers were)")
+    try:
+        doc = decode_status(body)
+    finally:
+        _DECODING.release()
     if time.monotonic() > deadline:
         raise PeerError(f"answer not read and checked within {timeout:g} s")
     return doc
