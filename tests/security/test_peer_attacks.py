@@ -39,7 +39,7 @@ from devicekit.serve.peer_fetch import MAX_BYTES, PeerAddress, PeerError
 from tests.conftest import h100
 from tests.security.conftest import src_env
 from tests.serve.conftest import start_line, stop_process
-from tests.serve.raw_peer import answer, drip, raw_peer  # noqa: F401  (raw_peer: a fixture)
+from tests.serve.raw_peer import answer, drip, raw_peer_fixture  # noqa: F401  (a fixture)
 
 NOW = time.time()
 GIB = 2**30

@@ -2,7 +2,7 @@
 
 Usage (``raw_peer`` is a fixture; import it into the test module)::
 
-    from tests.serve.raw_peer import answer, drip, raw_peer
+    from tests.serve.raw_peer import answer, drip, raw_peer_fixture  # the fixture raw_peer
 
     def test_x(raw_peer):
         peer = raw_peer(answer(b'{"schema": 1, "gpus": []}'))
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-__all__ = ["RawPeer", "Respond", "answer", "drip", "raw_peer", "stream_forever"]
+__all__ = ["RawPeer", "Respond", "answer", "drip", "raw_peer_fixture", "stream_forever"]
 
 Respond = Callable[[socket.socket], None]
 
@@ -65,8 +65,9 @@ class RawPeer:
         self.listener.close()
 
 
-@pytest.fixture
-def raw_peer() -> Iterator[Callable[[Respond], RawPeer]]:
+@pytest.fixture(name="raw_peer")
+def raw_peer_fixture() -> Iterator[Callable[[Respond], RawPeer]]:
+    """``raw_peer(respond)``: a started :class:`RawPeer`; all closed after the test."""
     peers: list[RawPeer] = []
 
     def make(respond: Respond) -> RawPeer:

@@ -9,7 +9,6 @@ a 403, a shell command in a UUID, and a well-formed document full of HTML and te
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
@@ -21,7 +20,13 @@ from devicekit.serve.peer_document import decode_status
 from devicekit.serve.peer_fetch import PeerAddress, PeerError
 from devicekit.serve.peer_schema import MAX_GPUS
 from tests.serve.conftest import HOSTILE_COMMAND, HOSTILE_USER, get, machine
-from tests.serve.raw_peer import answer, drip, raw_peer, stream_forever  # noqa: F401  (raw_peer: a fixture)
+from tests.serve.raw_peer import (  # noqa: F401  (raw_peer_fixture: the fixture raw_peer)
+    answer,
+    drip,
+    raw_peer_fixture,
+    stream_forever,
+)
+
 
 def read_one(address: str, timeout: float = 3.0):
     (one,) = PeerReader().read([PeerAddress.parse(address)], timeout)
