@@ -127,12 +127,12 @@ def lab(raw_peer):
 
 
 def test_select_and_status_hosts_answer_from_the_good_peer(lab, capsys):
-    """Items 8-11 in ``select --hosts`` / ``status --hosts``: every bad host is one line with
-    its reason, the good one is chosen, nothing waits past the timeout (the drip peer's)."""
+    """Items 8-11 in ``select --hosts`` / ``status --hosts [--json]``: every bad host is one line
+    with its reason, the good one is chosen, nothing waits past the timeout (the drip peer's)."""
     hosts = ",".join(lab.values())
     started = time.monotonic()
     code, out, err = run_cli(capsys, "select", "--hosts", hosts, "-n", "2", "--timeout", "2")
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 2 + 4  # the timeout, and a margin for a loaded machine
     assert (code, out) == (0, f"{lab['good'].split(':')[0]} GPU-g0,GPU-g1\n"), err
     assert "Traceback" not in err
     for name, (_, words) in HOSTILE.items():
@@ -142,20 +142,18 @@ def test_select_and_status_hosts_answer_from_the_good_peer(lab, capsys):
 
     code, out, err = run_cli(capsys, "status", "--hosts", hosts, "--timeout", "2")
     assert code == 0 and "Traceback" not in err
-    assert "2 of 13 host(s) answered" not in out and "1 of 13 host(s) answered" in out
+    assert "1 of 13 host(s) answered" in out
     for name in HOSTILE:
         assert f"{lab[name]}: sent" in out or f"{lab[name]}: did not" in out, name
 
-
-def test_status_hosts_json_is_bounded_by_bytes_not_by_what_peers_list(lab, capsys):
-    """Item 10: the 1 MiB of empty leases was 148 MiB of --json; now each host's status has a
-    ceiling, and a refused one is a line."""
-    code, out, _ = run_cli(capsys, "status", "--hosts", ",".join(lab.values()), "--json",
-                           "--timeout", "2")
+    # item 10: the 1 MiB of empty leases was 148 MiB of --json; each host's status has a
+    # ceiling now, and a refused one is a line
+    code, out, _ = run_cli(capsys, "status", "--hosts", hosts, "--json", "--timeout", "2")
     assert code == 0 and len(out) < 64 * 1024
-    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
-    assert hosts[lab["good"]]["ok"] and not hosts[lab["empty leases"]]["ok"]
-    assert [g["uuid"] for g in hosts[lab["good"]]["status"]["gpus"]] == ["GPU-g0", "GPU-g1"]
+    by_host = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert [h["ok"] for h in by_host.values()].count(True) == 1
+    assert [g["uuid"] for g in by_host[lab["good"]]["status"]["gpus"]] == ["GPU-g0", "GPU-g1"]
+    assert "missing required field `gpu_uuid`" in by_host[lab["empty leases"]]["error"]
 
 
 def test_a_document_past_its_ceiling_once_rebuilt_is_refused():
@@ -183,14 +181,6 @@ def test_the_lab_document_has_a_ceiling_over_all_hosts():
     assert all("left out: the hosts before it fill" in h["error"]
                for h in lab["hosts"][len(kept):])
     assert sum(len(json.dumps(h["status"], separators=(",", ":"))) for h in kept) <= MAX_LAB_BYTES
-
-
-def test_reading_a_hostile_peer_never_outlasts_its_timeout(lab):
-    peers = [PeerAddress.parse(a) for a in lab.values()]
-    started = time.monotonic()
-    answers = PeerReader().read(peers, 2.0)
-    assert time.monotonic() - started < 2.0 + 1.0
-    assert [a.ok for a in answers].count(True) == 1
 
 
 def _get(url: str, timeout: float = 5) -> bytes:
@@ -230,7 +220,7 @@ def test_serve_peer_keeps_answering_and_stops_on_sigterm(lab, tmp_path):
             started = time.monotonic()
             metrics = _get(url + "metrics").decode()
             answered += "devicekit_sample_ok 1" in metrics and time.monotonic() - started < 5
-            time.sleep(0.25)
+            time.sleep(0.1)
         assert answered == 8
         first = lab_doc["taken_at"]
         deadline = time.monotonic() + 30
@@ -268,7 +258,7 @@ def test_a_redirect_is_not_followed(raw_peer):
 
 
 def test_a_silent_peer_costs_its_timeout_only(raw_peer):
-    silent = raw_peer(lambda conn: time.sleep(3))
+    silent = raw_peer(lambda conn: time.sleep(1.5))
     started = time.monotonic()
     (got,) = PeerReader().read([PeerAddress.parse(silent.address)], 1.0)
     assert time.monotonic() - started < 2.5 and "within 1 s" in got.error
