@@ -14,7 +14,7 @@ from devicekit.selection.gpu_request import make_request
 from devicekit.serve.lab import HostAnswer, lab_document
 from devicekit.serve.lab_choice import choose_host, start_command
 from devicekit.serve.lab_hosts import hosts_file, lab_hosts
-from devicekit.serve.peer_document import clean_status
+from devicekit.serve.peer_document import decode_status
 from devicekit.serve.peer_fetch import PeerAddress
 
 
@@ -71,7 +71,7 @@ def _doc(gpus, queue=None):
         for i, g in enumerate(gpus)]}
     if queue is not None:
         doc["queue"] = queue
-    return clean_status(json.loads(json.dumps(doc)))
+    return decode_status(json.dumps(doc).encode())
 
 
 def _answer(label, doc=None, error=None):
@@ -84,7 +84,7 @@ def test_choice_judges_each_host_with_selections_filters():
         _answer("a:1", _doc([{"leases": [lease]}, {}])),                     # 1 free
         _answer("b:1", _doc([{}, {"blocked": "squatted by eve"}, {}],        # 1 free
                             queue=[{"ticket": "4", "user": "dave", "gpus_asked": 1,
-                                    "reserved_uuids": ["GPU-2"], "since": 1.0}])),
+                                    "reserved_uuids": ["GPU-2"], "since": time.time() - 60}])),
         _answer("c:1", _doc([{}, {"memory_used": 70 * 2**30, "memory_free": 10 * 2**30}, {}])),
         _answer("d:1", error="connection refused"),
     ]
@@ -120,3 +120,35 @@ def test_lab_document_says_age_and_error():
     assert other == {"host": "b:1", "url": "http://b:1/", "local": False, "ok": False,
                      "error": "no answer within 3 s", "fetched_at": None, "age": None,
                      "status": None}
+
+
+def test_a_real_status_document_decodes_whole(simulate, tmp_path, monkeypatch):
+    """What this version's ``status --json`` writes (MIG instances, a lease on one with a job,
+    a process, the host's facts) passes the peer schema field for field."""
+    from devicekit.sharing.leases import Lease
+    from devicekit.sharing.machine_status import collect_status
+    from tests.conftest import h100
+
+    monkeypatch.setenv("DEVICEKIT_LEASE_DIR", str(tmp_path / "leases"))
+    (tmp_path / "leases").mkdir()
+    simulate([h100(util=7, processes=[{"pid": 4242, "user": "alice", "memory": "2GiB",
+                                       "command": "python train.py " + "x" * 500}]),
+              h100(mig=[{"name": "1g.10gb", "memory_total": "10GiB"},
+                        {"name": "3g.40gb", "memory_total": "40GiB", "memory_used": "1GiB"}])])
+    status = collect_status().to_dict()
+    mig_uuid = status["gpus"][1]["mig_devices"][0]["uuid"]
+    lease = Lease.acquire([mig_uuid], directory=tmp_path / "leases", job="bert-7",
+                          command="python mig.py")
+    try:
+        status = collect_status().to_dict()
+    finally:
+        lease.release()
+    doc = decode_status(json.dumps(status).encode())
+    assert [g["uuid"] for g in doc["gpus"]] == [g["uuid"] for g in status["gpus"]]
+    assert doc["gpus"][0]["processes"][0]["command"] == ("python train.py " + "x" * 500)[:300]
+    migs = doc["gpus"][1]["mig_devices"]
+    assert len(migs) == len(status["gpus"][1]["mig_devices"]) and migs[0]["uuid"] == mig_uuid
+    assert [x["job"] for x in migs[0]["leases"]] == ["bert-7"]
+    assert doc["gpus"][1]["leases"][0]["gpu_uuid"] == mig_uuid
+    assert doc["host"]["hostname"] == status["host"]["hostname"]
+    assert doc["host"]["load_average"] == status["host"]["load_average"]

@@ -103,12 +103,12 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
 
 
 def _lab(hosts: tuple[str, ...], timeout: float, as_json: bool) -> int:
-    from devicekit.serve.lab import PeerReader, lab_document
+    from devicekit.serve.lab import PeerReader, lab_document, lab_json
     from devicekit.serve.lab_hosts import lab_hosts
 
     answers = PeerReader().read(lab_hosts(hosts), timeout)
     if as_json:
-        click.echo(json.dumps(lab_document(answers), indent=2))
+        click.echo(lab_json(lab_document(answers)).decode(), nl=False)
     else:
         from devicekit.serve.lab_table import render_lab
 

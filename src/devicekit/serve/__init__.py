@@ -7,7 +7,8 @@ hands out what it built: the page (:mod:`~devicekit.serve.page`), ``/metrics``
 (:mod:`~devicekit.serve.prometheus`, via prometheus-client) and ``/api/status``.
 
 The lab view reads other hosts' ``devicekit serve``: :mod:`~devicekit.serve.peer_fetch` (one
-bounded GET), :mod:`~devicekit.serve.peer_document` (the untrusted answer checked),
+bounded GET), :mod:`~devicekit.serve.peer_document` (the untrusted answer decoded once, by the schema in
+:mod:`~devicekit.serve.peer_schema`, and checked),
 :mod:`~devicekit.serve.lab` (every host in parallel), :mod:`~devicekit.serve.lab_hosts`
 (``--hosts``, ``DEVICEKIT_HOSTS``, the hosts file), :mod:`~devicekit.serve.lab_table` and
 :mod:`~devicekit.serve.lab_choice` (``status --hosts``, ``select --hosts``), and for

@@ -4,12 +4,17 @@
 and waits at most the timeout (plus a moment) for all of them: a peer that never answers, or
 whose name takes long to look up, costs its line ("no answer within 3 s"), never the others'.
 A peer still being read from an earlier round is not read again until that read ends, so a
-hanging peer holds one thread, not one per round. Each answer is checked and rebuilt by
-:func:`~devicekit.serve.peer_document.clean_status` before anyone sees it.
+hanging peer holds one thread, not one per round. Each answer is decoded, checked and rebuilt
+by :func:`~devicekit.serve.peer_document.decode_status` before anyone sees it, under the same
+deadline as the read (a peer whose answer is not read and checked in time costs its line), one
+answer at a time (decoding holds the GIL anyway; so a hostile body's objects exist once).
 
 :func:`lab_document` is the JSON ``devicekit status --hosts --json`` prints and ``/api/lab``
 serves: ``{"schema": 1, "taken_at", "hosts": [{"host", "url", "local", "ok", "error",
-"fetched_at", "age", "status"}]}``.
+"fetched_at", "age", "status"}]}``. Its size has a ceiling: each host's ``status`` is at most
+:data:`~devicekit.serve.peer_document.MAX_DOCUMENT` bytes of JSON (checked as it is decoded), and
+once the hosts' documents together pass :data:`MAX_LAB_BYTES` the hosts after that are listed
+with an error instead of their status. :func:`lab_json` encodes it (msgspec, in C).
 
 Usage::
 
@@ -31,26 +36,44 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from devicekit.serve.peer_document import clean_status
-from devicekit.serve.peer_fetch import PeerAddress, PeerError, fetch_json
+import msgspec
 
-__all__ = ["HostAnswer", "PeerReader", "lab_document", "LAB_SCHEMA", "MAX_PEERS",
-           "DEFAULT_TIMEOUT"]
+from devicekit.serve.peer_document import decode_status
+from devicekit.serve.peer_fetch import PeerAddress, PeerError, fetch_body
+
+__all__ = ["HostAnswer", "PeerReader", "lab_document", "lab_json", "LAB_SCHEMA", "MAX_PEERS",
+           "MAX_LAB_BYTES", "DEFAULT_TIMEOUT"]
 
 LAB_SCHEMA = 1
 #: the most hosts one lab view reads
 MAX_PEERS = 256
 #: seconds each host has to answer, unless told otherwise
 DEFAULT_TIMEOUT = 3.0
+#: the hosts' status documents in one lab document, together (JSON bytes)
+MAX_LAB_BYTES = 16 * 1024 * 1024
 #: how much longer than the timeout the reader waits for a thread before it stops waiting
 _GRACE = 0.25
 
 Fetch = Callable[[PeerAddress, float], dict[str, Any]]
+_DECODING = threading.Lock()
 
 
 def fetch_status(peer: PeerAddress, timeout: float) -> dict[str, Any]:
-    """One peer's checked status document; :class:`PeerError` saying why not."""
-    return clean_status(fetch_json(peer, "/api/status", timeout=timeout))
+    """One peer's checked status document, read and checked within ``timeout``;
+    :class:`PeerError` saying why not."""
+    deadline = time.monotonic() + timeout
+    body = fetch_body(peer, "/api/status", timeout=timeout)
+    # one document decoded at a time: decoding holds the GIL anyway, and so the objects a
+    # hostile 4 MiB body builds before it is refused (~6x its size) exist once, not per peer
+    if not _DECODING.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        raise PeerError(f"answer not checked within {timeout:g} s (other hosts' answers were)")
+    try:
+        doc = decode_status(body)
+    finally:
+        _DECODING.release()
+    if time.monotonic() > deadline:
+        raise PeerError(f"answer not read and checked within {timeout:g} s")
+    return doc
 
 
 @dataclass(frozen=True)
@@ -144,5 +167,18 @@ class PeerReader:
 def lab_document(answers: Sequence[HostAnswer], *, now: float | None = None) -> dict[str, Any]:
     """The lab's JSON: every host's answer and error (see the module doc)."""
     now = time.time() if now is None else now
-    return {"schema": LAB_SCHEMA, "taken_at": now,
-            "hosts": [a.to_dict(now) for a in answers]}
+    hosts, total = [], 0
+    for answer in answers:
+        host = answer.to_dict(now)
+        if host["status"] is not None and not answer.local:
+            total += len(msgspec.json.encode(host["status"]))
+            if total > MAX_LAB_BYTES:
+                host.update(status=None, ok=False, error=(
+                    f"left out: the hosts before it fill the lab's {MAX_LAB_BYTES >> 20} MiB"))
+        hosts.append(host)
+    return {"schema": LAB_SCHEMA, "taken_at": now, "hosts": hosts}
+
+
+def lab_json(lab: dict[str, Any], *, indent: int = 2) -> bytes:
+    """The lab document as JSON (UTF-8, a final newline), in time linear in its size."""
+    return msgspec.json.format(msgspec.json.encode(lab), indent=indent) + b"\n"

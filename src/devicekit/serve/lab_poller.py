@@ -21,7 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from devicekit.serve.hidden import hide_commands as scrub_commands
-from devicekit.serve.lab import DEFAULT_TIMEOUT, HostAnswer, PeerReader, lab_document
+from devicekit.serve.lab import DEFAULT_TIMEOUT, HostAnswer, PeerReader, lab_document, lab_json
 from devicekit.serve.peer_fetch import PeerAddress
 from devicekit.serve.sampler import Sampler
 
@@ -111,7 +110,7 @@ class LabPoller:
         own = HostAnswer(None, snap.status, snap.error,
                          time.time() - (time.monotonic() - snap.taken_monotonic), local=True)
         lab = lab_document([own, *self._answers])
-        return LabSnapshot(lab=lab, lab_json=(json.dumps(lab, indent=2) + "\n").encode(),
+        return LabSnapshot(lab=lab, lab_json=lab_json(lab),
                            fragment_html=render_lab_fragment(lab).encode(), rounds=self.rounds)
 
     def _run(self) -> None:

@@ -1,183 +1,137 @@
-"""A peer's status document, checked and rebuilt before anything shows or judges it.
+"""A peer's status document: decoded once from its bytes, checked, rebuilt bounded, or refused.
 
-What another machine's ``devicekit serve`` sends is untrusted. :func:`clean_status` accepts only
-a ``status --json`` document of schema 1 and returns a *new* document holding just the fields
-the lab view uses, each of the type docs/cli.md gives: text cut to a bound (it is made inert
-where it is printed), numbers finite or ``null``, lists bounded. GPU and MIG UUIDs, which end
-up in a printed command (``ssh HOST devicekit run --gpu-ids ...``), must look like identifiers;
-a GPU entry without a valid index and UUID is left out, with a warning saying so. A document
-that is no status document, or whose lists are longer than any real machine's, is refused
-with one line (:class:`~devicekit.serve.peer_fetch.PeerError`).
+What another machine's ``devicekit serve`` sends is untrusted. :func:`decode_status` is the one
+place its bytes become objects: msgspec decodes them straight into
+:class:`~devicekit.serve.peer_schema.PeerStatus` (linear time in C, no pre-scan, no recursion
+past Python's own limit), which bounds every field (types, ranges, UUID format, list lengths,
+text cut). On top of the schema it checks what needs this machine's view:
+
+- every time (``taken_at``, a lease's ``since``/``stopped_since``/``idle_since``, a ticket's
+  ``since``) lies within the past :data:`PAST_SECONDS` and at most :data:`SKEW_SECONDS` ahead
+  of this machine's clock;
+- no GPU or MIG UUID is listed twice (nor a GPU index), since ``select --hosts`` hands them to
+  ``devicekit run --gpu-ids``;
+- the rebuilt document, as JSON, is at most :data:`MAX_DOCUMENT` bytes.
+
+What passes is returned as plain JSON data (the checked fields only, each of its documented
+type); what fails is one inert :class:`~devicekit.serve.peer_fetch.PeerError` line naming the
+bad value and its JSON path, and the host is shown as bad with it. Nothing else is refused
+with it: the lab's other hosts are untouched.
 
 Usage::
 
-    from devicekit.serve.peer_document import clean_status
+    from devicekit.serve.peer_document import decode_status
 
-    doc = clean_status(json.loads(body))      # PeerError: "is not a devicekit status ..."
+    doc = decode_status(body)     # PeerError: sent a bad status document (... at `$.gpus[0].uuid`)
     doc["gpus"][0]["leases"][0]["job"]
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import msgspec
+
+from devicekit.serve.inert import inert_text
 from devicekit.serve.peer_fetch import PeerError
+from devicekit.serve.peer_schema import PeerLease, PeerStatus, cut_texts, is_identifier
 
-__all__ = ["clean_status", "is_identifier", "MAX_GPUS", "MAX_ITEMS", "MAX_TEXT"]
+__all__ = ["decode_status", "is_identifier", "MAX_DOCUMENT", "PAST_SECONDS", "SKEW_SECONDS"]
 
-#: GPUs one peer may list (a DGX has 8; MIG instances are listed under their GPU)
-MAX_GPUS = 64
-#: processes, leases or MIG instances per GPU; queue entries per machine
-MAX_ITEMS = 256
-#: the longest text kept from a peer (a command line)
-MAX_TEXT = 300
-_MAX_WARNINGS = 20
-_IDENTIFIER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
-_BIG = 2**62
+#: the largest rebuilt document kept from one peer (compact JSON); a real busy 8-GPU host: ~30 KiB
+MAX_DOCUMENT = 1024 * 1024
+#: how far back a peer's time may lie
+PAST_SECONDS = 5 * 366 * 86400
+#: how far ahead of this machine's clock a peer's time may lie (clocks of a lab drift apart)
+SKEW_SECONDS = 86400
 
-Cleaner = Callable[[Any], Any]
-
-
-def is_identifier(value: Any) -> bool:
-    """Whether ``value`` is safe as a word of a shell command (a GPU or MIG UUID, an index)."""
-    return isinstance(value, str) and bool(_IDENTIFIER.fullmatch(value))
+_DECODER = msgspec.json.Decoder(PeerStatus)
+_REGEX = re.compile(r"Expected `str` matching regex '.*?'(?= - at)")
+_NOT_STATUS = ("at `$`", "at `$.schema`", "field `schema`", "field `gpus`")
 
 
-def _text(limit: int = MAX_TEXT) -> Cleaner:
-    def clean(value: Any) -> str | None:
-        return value[:limit] if isinstance(value, str) else None
-    return clean
+def decode_status(body: bytes, *, now: float | None = None) -> dict[str, Any]:
+    """The checked, rebuilt status document in ``body``; :class:`PeerError` saying why not."""
+    try:
+        doc = _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise PeerError(_schema_reason(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise PeerError("sent an answer that is not UTF-8 text") from None
+        raise PeerError(f"sent an answer that is not JSON ({inert_text(exc, 80)})") from None
+    except RecursionError:
+        raise PeerError("sent JSON nested deeper than Python's recursion limit: refused") from None
+    cut_texts(doc)
+    _check_times(doc, time.time() if now is None else now)
+    _check_unique(doc)
+    encoded = msgspec.json.encode(doc)
+    if len(encoded) > MAX_DOCUMENT:
+        raise PeerError(f"sent a status document of {len(encoded) // 1024} KiB once checked, "
+                        f"more than the {MAX_DOCUMENT // 1024} KiB kept per host: refused")
+    return msgspec.to_builtins(doc)  # type: ignore[no-any-return]
 
 
-def _number(value: Any) -> float | int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if isinstance(value, int):
-        return value if abs(value) < _BIG else None
-    return value if math.isfinite(value) else None
+def _schema_reason(message: str) -> str:
+    message = _REGEX.sub("not a GPU-/MIG- UUID", message)
+    said = inert_text(message, 160)
+    if " - at `" not in message or any(words in message for words in _NOT_STATUS):
+        return f"did not send a devicekit status document of schema 1 ({said}): is it " \
+               "devicekit serve?"
+    return f"sent a bad status document ({said}): refused"
 
 
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _BIG \
-        else None
+def _leases(doc: PeerStatus) -> Iterator[tuple[str, PeerLease]]:
+    for g, gpu in enumerate(doc.gpus):
+        for n, lease in enumerate(gpu.leases):
+            yield f"$.gpus[{g}].leases[{n}]", lease
+        for m, mig in enumerate(gpu.mig_devices):
+            for n, lease in enumerate(mig.leases):
+                yield f"$.gpus[{g}].mig_devices[{m}].leases[{n}]", lease
+    for n, lease in enumerate(doc.other_leases):
+        yield f"$.other_leases[{n}]", lease
 
 
-def _flag(value: Any) -> bool:
-    return value is True
+def _times(doc: PeerStatus) -> Iterator[tuple[str, float | None]]:
+    yield "$.taken_at", doc.taken_at
+    for where, lease in _leases(doc):
+        yield f"{where}.since", lease.since
+        yield f"{where}.stopped_since", lease.stopped_since
+        yield f"{where}.idle_since", lease.idle_since
+    for n, ticket in enumerate(doc.queue):
+        yield f"$.queue[{n}].since", ticket.since
 
 
-def _identifier(value: Any) -> str | None:
-    return value if is_identifier(value) else None
+def _check_times(doc: PeerStatus, now: float) -> None:
+    earliest, latest = now - PAST_SECONDS, now + SKEW_SECONDS
+    for where, value in _times(doc):
+        if value is not None and not earliest <= value <= latest:
+            ahead = value > latest
+            raise PeerError(
+                f"sent a bad status document (the time {value:.17g} at `{where}` is "
+                + (f"{(value - now) / 3600:.0f} h ahead of this machine's clock"
+                   if ahead else "more than 5 years ago")
+                + "): refused")
 
 
-def _texts(limit: int, items: int) -> Cleaner:
-    def clean(value: Any) -> list[str]:
-        if not isinstance(value, list):
-            return []
-        return [v[:limit] for v in value[:items] if isinstance(v, str)]
-    return clean
-
-
-def _numbers(value: Any) -> list[float] | None:
-    if not isinstance(value, list) or len(value) > 3:
-        return None
-    numbers = [_number(v) for v in value]
-    return None if any(n is None for n in numbers) else numbers  # type: ignore[return-value]
-
-
-LEASE: dict[str, Cleaner] = {
-    "gpu_uuid": _text(130), "pid": _count, "user": _text(100), "host": _text(100),
-    "command": _text(), "since": _number, "memory": _count, "share": _flag, "kind": _text(10),
-    "stopped_since": _number, "job": _text(64), "idle_since": _number,
-}
-PROCESS: dict[str, Cleaner] = {"pid": _count, "user": _text(100), "command": _text(),
-                               "memory": _count}
-TICKET: dict[str, Cleaner] = {
-    "ticket": _text(20), "user": _text(100), "pid": _count, "host": _text(100),
-    "command": _text(), "gpus_asked": _count, "filters": _text(200), "since": _number,
-    "time_limit": _number, "reserved": _texts(40, MAX_GPUS),
-    "reserved_uuids": _texts(130, MAX_GPUS), "reason": _text(), "backfill": _flag,
-}
-HOST: dict[str, Cleaner] = {
-    "hostname": _text(100), "cpu_count_logical": _count, "cpu_count_physical": _count,
-    "load_average": _numbers, "memory_total": _count, "memory_available": _count,
-    "memory_used": _count, "usable_cpus": _count,
-}
-GPU_FACTS: dict[str, Cleaner] = {
-    "name": _text(100), "pci_bus_id": _text(40), "memory_total": _count, "memory_used": _count,
-    "memory_free": _count, "utilization": _number, "memory_bandwidth_utilization": _number,
-    "temperature": _number, "power_draw": _number, "power_limit": _number,
-    "compute_capability": _text(10), "compute_mode": _text(30), "mig_enabled": _flag,
-    "backend": _text(20), "blocked": _text(),
-}
-MIG_FACTS: dict[str, Cleaner] = {"name": _text(100), "memory_total": _count,
-                                 "memory_used": _count, "memory_free": _count}
-
-
-def _fields(entry: Any, spec: dict[str, Cleaner]) -> dict[str, Any]:
-    entry = entry if isinstance(entry, dict) else {}
-    return {key: clean(entry.get(key)) for key, clean in spec.items()}
-
-
-def _items(value: Any, what: str, limit: int = MAX_ITEMS) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise PeerError(f"is not a devicekit status document ({what} is not a list)")
-    if len(value) > limit:
-        raise PeerError(f"lists {len(value)} {what}, more than the {limit} a machine has: refused")
-    return [v for v in value if isinstance(v, dict)]
-
-
-def _leases(value: Any) -> list[dict[str, Any]]:
-    return [_fields(lease, LEASE) for lease in _items(value, "leases")]
-
-
-def _gpu(entry: dict[str, Any], dropped: list[str]) -> dict[str, Any] | None:
-    index, uuid = _count(entry.get("index")), _identifier(entry.get("uuid"))
-    if index is None or uuid is None:
-        dropped.append("a GPU entry without a valid index and UUID was left out")
-        return None
-    gpu = {"index": index, "uuid": uuid, **_fields(entry, GPU_FACTS)}
-    migs = []
-    for mig in _items(entry.get("mig_devices"), "MIG instances"):
-        mig_index, mig_uuid = _count(mig.get("index")), _identifier(mig.get("uuid"))
-        if mig_index is None or mig_uuid is None:
-            dropped.append(f"a MIG instance of GPU {index} without a valid index and UUID was "
-                           "left out")
-            continue
-        migs.append({"index": mig_index, "uuid": mig_uuid, **_fields(mig, MIG_FACTS),
-                     "leases": _leases(mig.get("leases"))})
-    gpu["mig_devices"] = migs
-    gpu["processes"] = [_fields(p, PROCESS) for p in _items(entry.get("processes"), "processes")]
-    gpu["leases"] = _leases(entry.get("leases"))
-    return gpu
-
-
-def clean_status(doc: Any) -> dict[str, Any]:
-    """The checked copy of a peer's ``/api/status`` document (see the module doc)."""
-    if not isinstance(doc, dict) or doc.get("schema") != 1 or not isinstance(doc.get("gpus"), list):
-        raise PeerError("did not send a devicekit status document (schema 1): is it devicekit "
-                        "serve?")
-    dropped: list[str] = []
-    gpus = [_gpu(g, dropped) for g in _items(doc["gpus"], "GPUs", MAX_GPUS)]
-    warnings = _texts(MAX_TEXT, _MAX_WARNINGS)(doc.get("warnings"))
-    out: dict[str, Any] = {
-        "schema": 1,
-        "devicekit_version": _text(40)(doc.get("devicekit_version")),
-        "taken_at": _number(doc.get("taken_at")),
-        "host": _fields(doc.get("host"), HOST),
-        "backend": _text(20)(doc.get("backend")),
-        "driver_version": _text(40)(doc.get("driver_version")),
-        "cuda_driver_version": _text(20)(doc.get("cuda_driver_version")),
-        "gpus": [g for g in gpus if g is not None],
-        "other_leases": _leases(doc.get("other_leases")),
-        "warnings": warnings + [f"from this peer's document: {d}" for d in dropped[:5]],
-    }
-    if "queue" in doc:
-        out["queue"] = [_fields(t, TICKET) for t in _items(doc.get("queue"), "queue entries",
-                                                           4 * MAX_ITEMS)]
-    return out
+def _check_unique(doc: PeerStatus) -> None:
+    uuids: dict[str, str] = {}
+    indices: dict[int, int] = {}
+    for g, gpu in enumerate(doc.gpus):
+        if gpu.index in indices:
+            raise PeerError(f"sent a bad status document (GPU index {gpu.index} at `$.gpus[{g}]` "
+                            f"is listed at `$.gpus[{indices[gpu.index]}]` too): refused")
+        indices[gpu.index] = g
+        named = [(f"$.gpus[{g}].uuid", gpu.uuid)]
+        named += [(f"$.gpus[{g}].mig_devices[{m}].uuid", mig.uuid)
+                  for m, mig in enumerate(gpu.mig_devices)]
+        for where, uuid in named:
+            first = uuids.setdefault(uuid.lower(), where)
+            if first != where:
+                raise PeerError(f"sent a bad status document (UUID {uuid} at `{where}` is "
+                                f"listed at `{first}` too): refused")

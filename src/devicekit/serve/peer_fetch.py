@@ -1,20 +1,22 @@
 """Reading one peer's ``/api/status``: a bounded HTTP GET with one hard deadline.
 
 A peer is another machine's ``devicekit serve``; what it sends is other users' text and may be
-hostile. :func:`fetch_json` never takes longer than its timeout once connected (the request and
+hostile. :func:`fetch_body` never takes longer than its timeout once connected (the request and
 every read count against one deadline, so a peer that sends a byte a second cannot hold it),
-reads at most :data:`MAX_BYTES` of body, accepts only a ``200`` answer without chunked encoding,
-and checks how deep the JSON nests before parsing it (no ``RecursionError``). Every failure is a
-:class:`PeerError` whose text is one line, already inert. Name lookup is the caller's to bound
-(:mod:`~devicekit.serve.lab` reads each peer in a daemon thread it stops waiting for).
+reads at most :data:`MAX_BYTES` of body (the hard ceiling before anything decodes it), and
+accepts only a ``200`` answer without chunked encoding. It returns bytes: the body becomes
+objects in one place only, :func:`devicekit.serve.peer_document.decode_status` (msgspec, linear
+in the bytes). Every failure is a :class:`PeerError` whose text is one line, already inert.
+Name lookup is the caller's to bound (:mod:`~devicekit.serve.lab` reads each peer in a daemon
+thread it stops waiting for).
 
 Usage::
 
-    from devicekit.serve.peer_fetch import PeerAddress, PeerError, fetch_json
+    from devicekit.serve.peer_fetch import PeerAddress, PeerError, fetch_body
 
     peer = PeerAddress.parse("gpu3:9400")          # also http://gpu3:9400/ or [fd00::3]:9400
     try:
-        doc = fetch_json(peer, "/api/status", timeout=3.0)
+        body = fetch_body(peer, "/api/status", timeout=3.0)
     except PeerError as exc:
         print(peer.label, exc)                      # gpu3:9400 connection refused (...)
 """
@@ -23,31 +25,24 @@ from __future__ import annotations
 
 import http.client
 import io
-import json
-import re
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 from devicekit.errors import InvalidValueError
 from devicekit.serve.hosts import host_name
 from devicekit.serve.inert import inert_text
 
-__all__ = ["PeerAddress", "PeerError", "fetch_json", "parse_json", "MAX_BYTES", "MAX_DEPTH",
-           "DEFAULT_PORT"]
+__all__ = ["PeerAddress", "PeerError", "fetch_body", "MAX_BYTES", "DEFAULT_PORT"]
 
 #: the port ``devicekit serve`` listens on unless told otherwise
 DEFAULT_PORT = 9400
-#: the largest body read from a peer (a real /api/status of 8 busy GPUs is ~30 KiB)
+#: the largest body read from a peer, the ceiling before decoding (a real /api/status of 8 busy
+#: GPUs is ~30 KiB; decoding the worst 4 MiB takes milliseconds: docs/lab.md)
 MAX_BYTES = 4 * 1024 * 1024
 #: the largest response head read
 MAX_HEAD = 32 * 1024
-#: how deep a peer's JSON may nest (a status document: 7)
-MAX_DEPTH = 32
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 class PeerError(Exception):
@@ -107,8 +102,8 @@ def _bad(text: str, why: str) -> InvalidValueError:
     return InvalidValueError(f"host '{inert_text(text, 100)}' {why}; write e.g. gpu3:9400")
 
 
-def fetch_json(peer: PeerAddress, path: str, *, timeout: float, limit: int = MAX_BYTES) -> Any:
-    """GET ``path`` from ``peer`` and parse its JSON body (see the module doc for the bounds)."""
+def fetch_body(peer: PeerAddress, path: str, *, timeout: float, limit: int = MAX_BYTES) -> bytes:
+    """GET ``path`` from ``peer``: the body of its ``200`` answer (see the module doc)."""
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((peer.host, peer.port), timeout=timeout)
@@ -132,7 +127,7 @@ def fetch_json(peer: PeerAddress, path: str, *, timeout: float, limit: int = MAX
         first = body[:200].decode("utf-8", "replace").strip().splitlines()
         said = f": {inert_text(first[0], 160)}" if first else ""
         raise PeerError(f"answered HTTP {status}{said}")
-    return parse_json(body)
+    return body
 
 
 def _read_answer(sock: socket.socket, deadline: float, timeout: float,
@@ -195,24 +190,6 @@ def _head(head: bytes, limit: int) -> tuple[int, int | None]:
             raise PeerError(f"answer of {length} bytes, more than {limit // (1024 * 1024)} MiB: "
                             "refused")
     return int(words[1]), length
-
-
-def parse_json(body: bytes) -> Any:
-    """``body`` as JSON, refused in one line when it is not UTF-8 JSON or nests past
-    :data:`MAX_DEPTH` (checked before parsing, so nothing recurses deeply)."""
-    depth = deepest = 0
-    for match in _BRACKET.finditer(_STRING.sub(b'""', body)):
-        depth += 1 if match.group() in (b"[", b"{") else -1
-        if depth > deepest:
-            deepest = depth
-            if deepest > MAX_DEPTH:
-                raise PeerError(f"sent JSON nested more than {MAX_DEPTH} deep: refused")
-    try:
-        return json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise PeerError("sent an answer that is not UTF-8 text") from None
-    except (ValueError, RecursionError) as exc:
-        raise PeerError(f"sent an answer that is not JSON ({inert_text(exc, 80)})") from None
 
 
 def _reason(exc: OSError) -> str:
