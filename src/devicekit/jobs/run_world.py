@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from devicekit.errors import InvalidValueError, LaunchError
+from devicekit.hardware.launchers import DistEnv
+from devicekit.hardware.launchers.base import check_resolvable, is_loopback
 from devicekit.jobs.outer import OuterJob, detect_outer, parse_nnodes
-from devicekit.parallel.environments import DistEnv
-from devicekit.parallel.environments.base import check_resolvable, is_loopback
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunRequest
