@@ -66,7 +66,7 @@ def test_doctor_names_the_job_and_where_this_process_is() -> None:
     job = CASES["sbatch_srun"]["processes"][1]["SLURM_JOB_ID"]
     assert f"in Slurm job {job} (srun step 0" in task.message
     shell = check_launcher(CASES["salloc_shell"]["processes"][0])
-    assert "the salloc shell" in shell.message and "world of one" in shell.message
+    assert "salloc's shell" in shell.message and "world of one" in shell.message
 
 
 def test_devicekit_run_joins_the_step_and_not_the_shell() -> None:
@@ -94,7 +94,7 @@ def test_dist_init_warns_in_the_shell_of_a_job_with_several_tasks(monkeypatch) -
                 monkeypatch.delenv(name)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        with pytest.warns(dist.WorldOfOneWarning, match=r"Slurm job \d+, which has 2 tasks"):
+        with pytest.warns(dist.WorldOfOneWarning, match=r"of Slurm job \d+ \(2 tasks\), which is none of its tasks"):
             dist._warn_outside_slurm_step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

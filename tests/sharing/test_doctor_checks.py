@@ -170,7 +170,7 @@ def test_lease_dir(tmp_path, monkeypatch):
       "WORLD_SIZE": "4", "MASTER_ADDR": "n", "MASTER_PORT": "2"}, "warn", "SLURM_PROCID=1"),
     ({"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "pass",
      "Slurm job 9 (the sbatch script, 2 task(s) in the job); one process, a world of one"),
-    ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "2"}, "pass", "Slurm job 9 (the salloc shell"),
+    ({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "2"}, "pass", "Slurm job 9 (salloc's shell, 2 task(s) in the job)"),
     ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "pass", "mpi: rank 0/2"),
     ({"PMI_RANK": "-1", "PMI_SIZE": "2"}, "fail", "PMI_RANK=-1 is not in 0..1 (PMI_SIZE=2"),
 ])

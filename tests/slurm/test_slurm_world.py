@@ -73,8 +73,8 @@ def test_the_sbatch_script_warns_that_it_is_a_world_of_one(slurm: SlurmCluster, 
                        cwd=tmp_path, env={"PYTHONPATH": SRC})
     assert slurm.wait_for_job(job, timeout=90) == "COMPLETED", slurm.logs()
     log = (tmp_path / f"slurm-{job}.out").read_text()
-    assert f"WorldOfOneWarning: dk.dist.init() runs in the sbatch script of Slurm job {job}, which" \
-           " has 2 tasks" in log, log
+    assert f"WorldOfOneWarning: dk.dist.init() runs in the sbatch script of Slurm job {job} (2" \
+           " tasks), which is none of its tasks: a world of one" in log, log
     assert _worlds(log) == ["1", "slurm 0 2 0 2 0 1", "slurm 1 2 1 2 0 1"]
 
 

@@ -207,9 +207,9 @@ def _warn_outside_slurm_step() -> None:
     place = slurm_place(os.environ)
     if place.outside_step and place.job_tasks > 1:
         warnings.warn(
-            f"dk.dist.init() runs in {place.where} of Slurm job {place.job_id}, which has"
-            f" {place.job_tasks} tasks, but this process is none of them: a world of one; start"
-            f" the ranks with 'srun -n {place.job_tasks} python ...' (or 'devicekit run')",
+            f"dk.dist.init() runs in {place.where} of Slurm job {place.job_id} ({place.job_tasks}"
+            " tasks), which is none of its tasks: a world of one; start the ranks with"
+            f" 'srun -n {place.job_tasks} python ...' (or 'devicekit run')",
             WorldOfOneWarning, stacklevel=3)
 
 

@@ -53,6 +53,7 @@ __all__ = ["SlurmEnvironment", "SlurmPlace", "slurm_place", "slurm_job_id", "por
 BATCH_STEP, EXTERN_STEP, INTERACTIVE_STEP = "4294967294", "4294967295", "4294967290"
 _SHELL_STEPS = {INTERACTIVE_STEP: "salloc's interactive step", EXTERN_STEP: "the extern step",
                 "extern": "the extern step"}
+_SHELL = "salloc's shell"
 _JOB_ID = re.compile(r"\d{1,20}(?:_\d{1,10})?")
 
 
@@ -75,7 +76,8 @@ class SlurmPlace:
         """One line: ``Slurm job 12 (the sbatch script, 2 task(s) in the job)``."""
         if self.kind == "none":
             return "not in a Slurm job"
-        return f"Slurm job {self.job_id or '?'} ({self.where}, {self.job_tasks} task(s) in the job)"
+        tasks = f", {self.job_tasks} task(s) in the job" if self.outside_step else ""
+        return f"Slurm job {self.job_id or '?'} ({self.where}{tasks})"
 
     @property
     def outside_step(self) -> bool:
@@ -105,7 +107,7 @@ def slurm_place(environ: Mapping[str, str]) -> SlurmPlace:
     if step:
         return SlurmPlace("task", job, step, tasks, f"srun step {step}")
     if not procid:
-        return SlurmPlace("shell", job, None, tasks, "the salloc shell, no srun step")
+        return SlurmPlace("shell", job, None, tasks, _SHELL)
     if procid == "0" and not any(name.startswith("SLURM_STEP_") for name in environ):
         return SlurmPlace("batch", job, None, tasks, "the sbatch script")
     return SlurmPlace("unclear", job, None, tasks, f"SLURM_PROCID={procid} without SLURM_STEP_ID")
