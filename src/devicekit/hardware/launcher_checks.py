@@ -26,6 +26,7 @@ from devicekit.hardware.launchers import (
     detect_environment,
     slurm_place,
 )
+from devicekit.hardware.launchers.base import integer_variable
 
 __all__ = ["check_launcher"]
 
@@ -41,10 +42,12 @@ def check_launcher(env: Mapping[str, str], *, visible_gpus: int | None = None) -
         return Check("launcher", "fail", str(exc))
     if problem:
         return Check("launcher", "warn", problem)
-    if kind.name == "single":
-        described = ["no torchrun, Slurm or MPI task variables: a single process"]
-    else:
+    if kind.name != "single":
         described = [f"{kind.name}: {facts.describe()}"]
+    elif place.kind == "none":
+        described = ["no torchrun, Slurm or MPI variables: a single process"]
+    else:
+        described = []
     if place.kind != "none":
         described.append(place.describe() if place.kind != "task" else f"in {place.describe()}")
     if place.outside_step:
@@ -55,6 +58,12 @@ def check_launcher(env: Mapping[str, str], *, visible_gpus: int | None = None) -
 
 def _problem(env: Mapping[str, str], name: str, facts: DistEnv, visible: int | None) -> str | None:
     """A warning about facts that read well but will go wrong; DistributedError for a failure."""
+    stray = [n for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if n in env]
+    if name == "single" and stray:
+        for variable in stray:
+            integer_variable(env, variable)  # garbage fails, naming the value
+        return (f"{', '.join(stray)} set but not both RANK and WORLD_SIZE: dk.dist (and"
+                " torch's env:// rendezvous) cannot use them; set both, or unset them")
     if (facts.world_size > 1 and name in ("torchrun", "kubeflow")
             and "TORCHELASTIC_RUN_ID" not in env):
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]

@@ -179,7 +179,7 @@ def refuse_nested_world(what: str, environ: Mapping[str, str] | None = None) -> 
     if facts.world_size <= 1:
         return
     if kind.name == "slurm":
-        where = f"srun task {facts.rank} of {facts.world_size} ({slurm_place(environ).describe()})"
+        where = f"srun task {facts.rank} of {facts.world_size} in {slurm_place(environ).describe()}"
         fix = (f"let srun start the ranks ('srun -n {facts.world_size} python ...' with"
                " dk.dist.init() in each), or start one task per node (srun -n 1,"
                " --ntasks-per-node=1) and let it start them there")
