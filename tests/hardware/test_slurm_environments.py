@@ -101,3 +101,13 @@ def test_dist_init_warns_in_the_shell_of_a_job_with_several_tasks(monkeypatch) -
         for name, value in CASES["salloc_srun"]["processes"][0].items():
             monkeypatch.setenv(name, value)
         dist._warn_outside_slurm_step()  # a task: nothing to warn about
+
+
+def test_devicekit_run_in_salloc_shell_off_the_node_says_so() -> None:
+    from devicekit.jobs.request import RunRequest
+    from devicekit.jobs.run_world import resolve_world
+
+    shell = resolve_world(RunRequest(procs=1), CASES["salloc_shell"]["processes"][0])
+    assert any("which is not one of the job's nodes (dknode)" in note for note in shell.notes)
+    task = resolve_world(RunRequest(procs=1), CASES["sbatch_srun"]["processes"][0])
+    assert not any("salloc's shell" in note for note in task.notes)

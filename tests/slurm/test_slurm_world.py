@@ -102,3 +102,14 @@ def test_dk_launch_refuses_in_a_step_of_two_and_runs_in_a_step_of_one(slurm: Slu
     one = slurm.run(["srun", "-n", "1", PY, str(script)], env={"PYTHONPATH": SRC}, timeout=90)
     assert one.returncode == 0, one.stderr
     assert "RANKS [0, 1]" in one.stdout
+
+
+def test_devicekit_run_in_the_salloc_shell_says_it_is_not_on_the_jobs_node(slurm: SlurmCluster) -> None:
+    out = slurm.run(["salloc", "-n", "1", PY, "-m", "devicekit", "run", "--dry-run", "--", "true"],
+                    env={"PYTHONPATH": SRC}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "this is salloc's shell of Slurm job" in out.stderr
+    assert "which is not one of the job's nodes (dknode)" in out.stderr
+    inside = slurm.run(["salloc", "-n", "1", "srun", PY, "-m", "devicekit", "run", "--dry-run", "--",
+                        "true"], env={"PYTHONPATH": SRC}, timeout=60)
+    assert inside.returncode == 0 and "salloc's shell" not in inside.stderr, inside.stderr

@@ -15,9 +15,12 @@ Usage::
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from devicekit.errors import InvalidValueError
-from devicekit.strategy.advise import Advice, Strategy
+
+if TYPE_CHECKING:  # advise imports torch; --time is checked before it is
+    from devicekit.strategy.advise import Advice, Strategy
 
 __all__ = ["sbatch_script", "check_time", "WARNING_SIGNAL"]
 
