@@ -87,7 +87,7 @@ def rank():
 
 
 if __name__ == "__main__":
-    print("RANKS", dk.launch(rank, nprocs=2, devices="cpu", timeout=60))
+    print("RANKS", dk.launch(rank, nprocs=2, devices="cpu", backend=None, timeout=60))
 """
 
 
