@@ -13,9 +13,9 @@ import torch
 import devicekit as dk
 from devicekit.cli.main import main
 from devicekit.errors import InvalidSizeError, SimulationFileError
+from devicekit.hardware.launchers import detect_environment
+from devicekit.hardware.launchers.slurm import expand_nodelist
 from devicekit.jobs.request import RunRequest
-from devicekit.parallel.environments import detect_environment
-from devicekit.parallel.environments.slurm import expand_nodelist
 from devicekit.units import parse_size
 from tests.conftest import h100
 
@@ -147,7 +147,7 @@ def test_doctor_says_the_batch_script_is_one_process() -> None:
     from devicekit.hardware.launcher_checks import check_launcher
 
     check = check_launcher(BATCH)
-    assert check.status == "pass" and "the sbatch script itself" in check.message
+    assert check.status == "pass" and "the sbatch script" in check.message
 
 
 def test_an_srun_task_is_still_a_rank() -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from devicekit.errors import DeviceKitError
+from devicekit.hardware.launchers import detect_environment
+from devicekit.hardware.launchers.slurm import port_for_job
 from devicekit.jobs.outer import detect_outer
 from devicekit.jobs.run import RunPlan, RunRequest, plan_run
-from devicekit.parallel.environments import detect_environment
-from devicekit.parallel.environments.slurm import port_for_job
 from tests.conftest import h100
 
 HOST = socket.gethostname()  # resolvable here, and not loopback: a "real" node name

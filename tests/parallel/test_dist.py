@@ -154,7 +154,7 @@ def test_slurm_tasks_per_node_not_matching_gpus(monkeypatch: pytest.MonkeyPatch)
     fake_gpus(monkeypatch, 4)
     set_env(monkeypatch, {"SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_NTASKS": "8",
                           "SLURM_NNODES": "1", "SLURM_TASKS_PER_NODE": "8",
-                          "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NAME": "job"})
+                          "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NAME": "job", "SLURM_STEP_ID": "0"})
     with pytest.raises(DistributedError) as info:
         dist.device()
     message = str(info.value)
@@ -165,7 +165,7 @@ def test_slurm_gpus_per_task_binding(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpus(monkeypatch, 1)  # srun --gpus-per-task=1: each task sees only its GPU
     set_env(monkeypatch, {"SLURM_PROCID": "3", "SLURM_LOCALID": "3", "SLURM_NTASKS": "4",
                           "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "n1",
-                          "SLURM_JOB_NAME": "job"})
+                          "SLURM_JOB_NAME": "job", "SLURM_STEP_ID": "0"})
     assert dist.device() == torch.device("cuda", 0)
 
 
@@ -173,13 +173,13 @@ def test_slurm_rank_stays_slurm_after_init_publishes_torchrun_variables(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """init() sets RANK, LOCAL_RANK, ... for a Slurm task; env() must still read Slurm (source,
     node, and the --gpus-per-task binding: read as torchrun, 4 tasks on 1 GPU was an error)."""
-    from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
+    from devicekit.hardware.launchers.torchrun import PUBLISHED_MARKER
 
     fake_gpus(monkeypatch, 1)
     set_env(monkeypatch, {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
                           "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
                           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42",
-                          "SLURM_JOB_NAME": "job"})
+                          "SLURM_JOB_NAME": "job", "SLURM_STEP_ID": "0"})
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", PUBLISHED_MARKER):
         monkeypatch.setenv(name, "-")  # recorded, so what the test publishes is undone after it

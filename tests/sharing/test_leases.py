@@ -165,3 +165,25 @@ def test_lease_file_is_private_until_locked(monkeypatch):
         assert modes and all(mode & 0o077 == 0 for mode in modes), [oct(m) for m in modes]
         final = os.stat(lease._paths[0])
         assert stat.S_IMODE(final.st_mode) == 0o644  # readable by all once locked
+
+
+def test_a_lease_in_a_slurm_job_carries_the_slurm_job_id(monkeypatch) -> None:
+    from devicekit.sharing.lease_records import current_job
+    from devicekit.sharing.leases import default_job
+
+    for name in ("DEVICEKIT_JOB_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert default_job() == current_job()                 # no job: devicekit's own token
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert default_job() == "4242"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    assert default_job() == "4240_2"                      # as squeue shows an array task
+    monkeypatch.setenv("DEVICEKIT_JOB_ID", "4240_2")      # what devicekit run passes its command
+    assert default_job() == "4240_2"
+    monkeypatch.setenv("DEVICEKIT_JOB_ID", "nightly")     # devicekit run --name nightly
+    assert default_job() == "nightly"
+    monkeypatch.setenv("SLURM_JOB_ID", "$(rm -rf ~)")     # not a job id: not taken
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "DEVICEKIT_JOB_ID"):
+        monkeypatch.delenv(name)
+    assert default_job() == current_job()

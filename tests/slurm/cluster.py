@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SlurmCluster", "slurm_missing", "NODE", "GPUS", "CPUS"]
+__all__ = ["SlurmCluster", "slurm_missing", "node_names", "NODE", "GPUS", "CPUS"]
 
 #: the node's name in slurm.conf (slurmd runs as it with -N), its CPUs and fake GPUs
 NODE = "dknode"
@@ -59,7 +59,46 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _conf(root: Path, ctld_port: int, slurmd_port: int, munge_socket: Path) -> str:
+def _free_ports(count: int, *, tries: int = 50) -> int:
+    """The first of ``count`` consecutive free ports (one per slurmd)."""
+    for _ in range(tries):
+        first = _free_port()
+        if first + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def node_names(nodes: int) -> list[str]:
+    """The nodes' names in slurm.conf: ``dknode``, then ``dknode2``, ``dknode3``, ..."""
+    return [NODE] + [f"{NODE}{i}" for i in range(2, nodes + 1)]
+
+
+def _nodes_conf(nodes: int, slurmd_port: int) -> str:
+    """One NodeName line per node; several slurmd on this host each listen on a port of their own."""
+    lines = []
+    for i, name in enumerate(node_names(nodes)):
+        port = f" Port={slurmd_port + i}" if nodes > 1 else ""
+        lines.append(f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()}{port}"
+                     f" CPUs={CPUS} RealMemory=4000 Gres=gpu:{GPUS} State=UNKNOWN")
+    names = ",".join(node_names(nodes))
+    return "\n".join(lines) + (f"\nPartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE"
+                               " State=UP OverSubscribe=NO\n")
+
+
+def _conf(root: Path, ctld_port: int, slurmd_port: int, munge_socket: Path, nodes: int = 1) -> str:
+    many = "-%n" if nodes > 1 else ""  # several slurmd: a pid and log file each
     return f"""\
 ClusterName=dk{os.getpid()}
 MailProg=/bin/true
@@ -74,9 +113,9 @@ AuthInfo=socket={munge_socket}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd{many}.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd{many}.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -98,9 +137,7 @@ KillWait=2
 MessageTimeout=10
 JobRequeue=1
 PlugStackConfig={root}/plugstack.conf
-NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} CPUs={CPUS} RealMemory=4000 Gres=gpu:{GPUS} State=UNKNOWN
-PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-"""
+""" + _nodes_conf(nodes, slurmd_port)
 
 
 @dataclass
@@ -110,16 +147,23 @@ class SlurmCluster:
     root: Path
     conf: Path
     gpu_devices: list[str]
+    #: the nodes' names (``nodes=2``: two slurmd on this host, each a node of its own)
+    nodes: list[str] = field(default_factory=lambda: [NODE])
     _procs: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
-    def start(cls, root: Path, *, timeout: float = 30.0) -> SlurmCluster:
-        """Start munged, slurmctld and slurmd under ``root``; return once the node is idle."""
+    def start(cls, root: Path, *, timeout: float = 30.0, nodes: int = 1,
+              extra_conf: str = "") -> SlurmCluster:
+        """Start munged, slurmctld and slurmd under ``root``; return once the node is idle.
+
+        ``nodes=2`` (or more) starts one slurmd per node on this host (Debian's build has
+        multiple-slurmd support), so steps over several nodes run for real. ``extra_conf``:
+        lines added to slurm.conf (e.g. ``LaunchParameters=use_interactive_step``)."""
         why = slurm_missing()
         if why:
             raise RuntimeError(why)
         root = Path(root)
-        for sub in ("state", f"spool/{NODE}", "munge", "dev"):
+        for sub in ("state", *(f"spool/{name}" for name in node_names(nodes)), "munge", "dev"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o755)  # munged wants its socket's directories searchable by all
         os.chmod(root / "munge", 0o755)
@@ -134,11 +178,13 @@ class SlurmCluster:
                 os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # a char device, like /dev/null
             devices.append(str(dev))
         (root / "gres.conf").write_text(
-            f"AutoDetect=off\nNodeName={NODE} Name=gpu File={root}/dev/fakegpu[0-{GPUS - 1}]\n")
+            f"AutoDetect=off\nNodeName={','.join(node_names(nodes))} Name=gpu"
+            f" File={root}/dev/fakegpu[0-{GPUS - 1}]\n")
         (root / "plugstack.conf").write_text("")
         conf = root / "slurm.conf"
-        conf.write_text(_conf(root, _free_port(), _free_port(), munge_socket))
-        cluster = cls(root=root, conf=conf, gpu_devices=devices)
+        slurmd_port = _free_port() if nodes == 1 else _free_ports(nodes)
+        conf.write_text(_conf(root, _free_port(), slurmd_port, munge_socket, nodes) + extra_conf)
+        cluster = cls(root=root, conf=conf, gpu_devices=devices, nodes=node_names(nodes))
         try:
             cluster._spawn(["munged", "-F", "--force", f"--key-file={key}",
                             f"--socket={munge_socket}", f"--pid-file={root}/munge/munged.pid",
@@ -146,7 +192,9 @@ class SlurmCluster:
                             f"--seed-file={root}/munge/munged.seed"], "munged")
             cluster._wait(lambda: munge_socket.exists(), timeout, "munged's socket")
             cluster._spawn(["slurmctld", "-D", "-i", "-f", str(conf)], "slurmctld")
-            cluster._spawn(["slurmd", "-D", "-N", NODE, "-f", str(conf)], "slurmd")
+            for name in cluster.nodes:
+                cluster._spawn(["slurmd", "-D", "-N", name, "-f", str(conf)],
+                               "slurmd" if name == NODE else f"slurmd-{name}")
             cluster._wait(cluster._node_ready, timeout, "the node to become idle in sinfo")
         except BaseException:
             cluster.stop()
@@ -183,7 +231,9 @@ class SlurmCluster:
     def _node_ready(self) -> bool:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True,
                              text=True, timeout=10)
-        return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc")
+        states = out.stdout.split()
+        return (out.returncode == 0 and len(states) == len(self.nodes)
+                and all(state in ("idle", "mix", "alloc") for state in states))
 
     def logs(self) -> str:
         """The tail of every daemon log, for a failure message."""

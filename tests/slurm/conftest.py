@@ -32,7 +32,24 @@ def slurm(_slurm_session: SlurmCluster) -> Iterator[SlurmCluster]:
     _slurm_session.clear()
 
 
+@pytest.fixture(scope="session")
+def _slurm_two_nodes_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    why = slurm_missing()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster.start(tmp_path_factory.mktemp("slurm2"), nodes=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def slurm_two_nodes(_slurm_two_nodes_session: SlurmCluster) -> Iterator[SlurmCluster]:
+    """A running two-node cluster (two slurmd on this host: ``dknode`` and ``dknode2``), for
+    steps over several nodes; its queue is emptied after each test like ``slurm``'s."""
+    yield _slurm_two_nodes_session
+    _slurm_two_nodes_session.clear()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "slurm" in getattr(item, "fixturenames", ()):
+        if {"slurm", "slurm_two_nodes"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slurm)

@@ -157,7 +157,8 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
 @click.option("--name", "job_name", metavar="NAME", default=None,
               help="The job id its leases carry, shown by status, serve and the lab view"
                    " (1-64 letters, digits or ._:@+=-); default: DEVICEKIT_JOB_ID when set,"
-                   " else six generated hex digits. The job's processes get it as"
+                   " else the Slurm job id inside a Slurm job, else six generated hex digits."
+                   " The job's processes get it as"
                    " DEVICEKIT_JOB_ID.")
 @click.option("--dry-run", is_flag=True,
               help="Choose the GPUs and print the variables and command line it would start"
@@ -200,7 +201,8 @@ def command(gpus: str | None, gpu_ids: str | None, procs: str | None, gpus_per_p
 def _job_id(name: str | None) -> Iterator[None]:
     """``DEVICEKIT_JOB_ID`` set to the job's id while it runs (the leases and every process of
     the job read it), then put back as it was."""
-    from devicekit.sharing.lease_records import JOB_ENV, check_job_name, current_job
+    from devicekit.sharing.lease_records import JOB_ENV, check_job_name
+    from devicekit.sharing.leases import default_job
 
     if name is not None:
         try:
@@ -208,7 +210,7 @@ def _job_id(name: str | None) -> Iterator[None]:
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--name'") from None
     previous = os.environ.get(JOB_ENV)
-    os.environ[JOB_ENV] = name if name is not None else current_job()
+    os.environ[JOB_ENV] = name if name is not None else default_job()
     try:
         yield
     finally:

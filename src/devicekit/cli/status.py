@@ -86,7 +86,7 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
     if watch is None:
         report = collect_status()
         if as_json:
-            click.echo(json.dumps(report.to_dict(), indent=2))
+            click.echo(json.dumps(_document(report), indent=2))
         else:
             _console().print(_render(report, no_processes))
         return
@@ -137,7 +137,34 @@ def _console() -> Any:  # a rich Console (rich is imported lazily)
 def _render(report: Any, no_processes: bool) -> Any:
     from devicekit.sharing.status_table import render_status
 
-    return render_status(report, all_processes=not no_processes)
+    table = render_status(report, all_processes=not no_processes)
+    lines = _slurm_lines()
+    if not lines:
+        return table
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(table, *(Text(line) for line in lines))
+
+
+def _slurm_lines() -> list[str]:
+    """Inside a Slurm job (or on a Slurm node): the job, its GPUs, GPUs other jobs hold."""
+    from devicekit.hardware.slurm_node import slurm_view
+
+    view = slurm_view()
+    return view.lines() if view is not None else []
+
+
+def _document(report: Any) -> dict[str, Any]:
+    """The status document, with ``slurm`` (job id, its GPUs, GPUs taken by other jobs) where
+    Slurm has something to say (docs/cli.md)."""
+    from devicekit.hardware.slurm_node import slurm_view
+
+    document = report.to_dict()
+    view = slurm_view()
+    if view is not None:
+        document["slurm"] = view.to_dict()
+    return document
 
 
 def _frames(count: int | None) -> Iterator[int]:
@@ -153,7 +180,7 @@ def _watch_json(seconds: float, count: int | None) -> None:
     for frame in _frames(count):
         if frame:
             time.sleep(seconds)
-        click.echo(json.dumps(collect_status().to_dict()))
+        click.echo(json.dumps(_document(collect_status())))
 
 
 def _watch_table(seconds: float, count: int | None, no_processes: bool) -> None:

@@ -11,6 +11,8 @@ included). When a rank raises, the others are stopped within seconds and
 because of it) with its traceback; with ``timeout``, ranks that have not returned in time have
 their Python stacks dumped and :class:`RankHangError` names them. Ranks die with the parent,
 so none is ever orphaned.
+Inside another launcher's world of several ranks (``srun -n 2``, torchrun, mpirun) it refuses
+(:func:`devicekit.jobs.outer.refuse_nested_world`): each rank would start a world of its own.
 
 Usage::
 
@@ -43,6 +45,7 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from devicekit.errors import InvalidValueError, LaunchError, RankFailedError, RankHangError
+from devicekit.hardware.launchers.torchrun import LAUNCH_MARKER
 from devicekit.jobs.allocation import Allocation, devices_mode, plan_processes, positive_count
 from devicekit.jobs.hang_report import (
     DEFAULT_HANG_TIMEOUT,
@@ -52,12 +55,12 @@ from devicekit.jobs.hang_report import (
     HangWatch,
     diagnose,
 )
+from devicekit.jobs.outer import refuse_nested_world
 from devicekit.jobs.rank_process import STACK_SIGNAL, rank_main
 from devicekit.jobs.rank_stacks import complete, in_collective, innermost_frame, read_text
 from devicekit.jobs.run_doctor import TORCH_DUMP_ENVS, TORCH_DUMP_PREFIX
 from devicekit.jobs.threads import omp_threads
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, OWN_DEVICES_ENV
-from devicekit.parallel.environments.torchrun import LAUNCH_MARKER
 
 __all__ = ["launch", "free_port", "STOP_GRACE_SECONDS"]
 
@@ -130,6 +133,7 @@ def launch(
     mode = devices_mode(devices, gpus_per_proc, min_free_memory)
     if nprocs is not None:
         positive_count(nprocs, "nprocs")
+    refuse_nested_world(f"dk.launch(nprocs={nprocs})" if nprocs else "dk.launch()")
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as exc:

@@ -23,16 +23,17 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from devicekit.errors import LaunchError
-from devicekit.hardware.slurm_job import is_batch_script
-from devicekit.parallel.environments import DistEnv, detect_environment
-from devicekit.parallel.environments.base import integer_variable
+from devicekit.hardware.launchers import DistEnv, detect_environment, slurm_place
+from devicekit.hardware.launchers.base import integer_variable
 
-__all__ = ["OuterJob", "detect_outer", "parse_nnodes", "LAUNCHERS", "PET_VARIABLES"]
+__all__ = ["OuterJob", "detect_outer", "refuse_nested_world", "parse_nnodes", "LAUNCHERS",
+           "PET_VARIABLES"]
 
 #: what each source is called in messages
 LAUNCHERS = {
@@ -113,8 +114,9 @@ def detect_outer(environ: Mapping[str, str]) -> OuterJob | None:
         return pet
     kind = detect_environment(environ)
     if kind.name == "single":
-        if is_batch_script(environ):
-            _refuse_batch_over_nodes(environ)
+        place = slurm_place(environ)
+        if place.outside_step:
+            _refuse_outside_step_over_nodes(environ, place.where)
         return None
     facts = kind.read()  # a one-line DistributedError when the variables are bad
     if facts.world_size <= 1:
@@ -152,13 +154,37 @@ def _pet(environ: Mapping[str, str]) -> OuterJob | None:
     )
 
 
-def _refuse_batch_over_nodes(environ: Mapping[str, str]) -> None:
-    """An sbatch script runs on the first node only: one process there is a plain machine (a
+def _refuse_outside_step_over_nodes(environ: Mapping[str, str], where: str) -> None:
+    """The sbatch script (or salloc's shell) is one process on one host: a plain machine (a
     world of one, as ``dk.dist`` also says), but a job over several nodes would use only one."""
     nodes = integer_variable(environ, "SLURM_NNODES", integer_variable(environ, "SLURM_JOB_NUM_NODES", 1))
     if nodes > 1:
         raise LaunchError(
-            f"this is the batch script of a Slurm job on {nodes} nodes (no srun step), so it runs"
-            " on the first node only; start it on every node: srun --ntasks-per-node=1"
-            " devicekit run ... (devicekit run then starts torchrun per node)"
+            f"this is {where} of a Slurm job on {nodes} nodes (no srun step), so it runs on one"
+            " host only; start it on every node: srun --ntasks-per-node=1 devicekit run ..."
+            " (devicekit run then starts torchrun per node)"
         )
+
+
+def refuse_nested_world(what: str, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse to start ranks inside a launcher's world of several (each rank would start a
+    world of its own): ``dk.launch`` in an ``srun -n 2`` step, under torchrun or mpirun.
+
+    The rule (docs/many-gpus.md): the launcher that started several ranks owns the world;
+    ``dk.launch`` runs only where the launcher started one process per node.
+    """
+    environ = os.environ if environ is None else environ
+    kind = detect_environment(environ)
+    facts = kind.read()
+    if facts.world_size <= 1:
+        return
+    if kind.name == "slurm":
+        where = f"srun task {facts.rank} of {facts.world_size} in {slurm_place(environ).describe()}"
+        fix = (f"let srun start the ranks ('srun -n {facts.world_size} python ...' with"
+               " dk.dist.init() in each), or start one task per node (srun -n 1,"
+               " --ntasks-per-node=1) and let it start them there")
+    else:
+        where = f"rank {facts.rank} of {facts.world_size} started by {LAUNCHERS.get(kind.name, kind.name)}"
+        fix = "call dk.dist.init() in each rank instead, or start one process per node"
+    raise LaunchError(f"{what} runs in {where}: each of the {facts.world_size} ranks would start"
+                      f" a world of its own; {fix}")

@@ -28,6 +28,9 @@ from collections.abc import Callable, Mapping
 from devicekit.errors import LaunchError
 from devicekit.hardware.check_result import take_inventory
 from devicekit.hardware.inventory import backend
+from devicekit.hardware.launchers import DistEnv
+from devicekit.hardware.launchers.base import DEFAULT_PORT
+from devicekit.hardware.launchers.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 from devicekit.hardware.printable import printable
 from devicekit.jobs.allocation import Allocation, allocate
 from devicekit.jobs.preflight import check_command, check_request, interpreter_warning
@@ -37,9 +40,6 @@ from devicekit.jobs.supervise import execute
 from devicekit.jobs.threads import omp_threads, usable_cores
 from devicekit.jobs.time_limit import declared_limit, enforced_limit
 from devicekit.parallel.dist import GPUS_PER_PROC_ENV, LOOPBACK_OK_ENV, OWN_DEVICES_ENV
-from devicekit.parallel.environments import DistEnv
-from devicekit.parallel.environments.base import DEFAULT_PORT
-from devicekit.parallel.environments.torchrun import LAUNCH_MARKER, PUBLISHED_MARKER
 
 __all__ = ["RunRequest", "RunPlan", "plan_run", "execute", "run", "EXAMPLE_COMMAND",
            "rank_variables", "single_process_variables"]

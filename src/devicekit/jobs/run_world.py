@@ -18,14 +18,16 @@ Usage::
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from devicekit.errors import InvalidValueError, LaunchError
+from devicekit.errors import DeviceKitError, InvalidValueError, LaunchError
+from devicekit.hardware.launchers import DistEnv, slurm_place
+from devicekit.hardware.launchers.base import check_resolvable, is_loopback
+from devicekit.hardware.launchers.slurm_nodes import expand_nodelist
 from devicekit.jobs.outer import OuterJob, detect_outer, parse_nnodes
-from devicekit.parallel.environments import DistEnv
-from devicekit.parallel.environments.base import check_resolvable, is_loopback
 
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunRequest
@@ -84,9 +86,30 @@ def resolve_world(request: RunRequest, environ: Mapping[str, str]) -> World:
     _check_values(request)
     outer = detect_outer(environ)
     world = _own(request) if outer is None else _under(outer, request)
+    if outer is None:
+        world.notes.extend(_slurm_shell_note(environ))
     if world.max_nodes > 1:
         _check_master(world)
     return world
+
+
+def _slurm_shell_note(environ: Mapping[str, str]) -> list[str]:
+    """salloc's shell runs where salloc was typed, which need not be a node of the job: say so
+    (its GPUs are that host's, not the allocation's)."""
+    place = slurm_place(environ)
+    if place.kind != "shell" or place.step is not None:
+        return []
+    nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+    try:
+        hosts = expand_nodelist(nodes)
+    except DeviceKitError:
+        hosts = []
+    here = socket.gethostname().split(".")[0]
+    if not hosts or here in hosts:
+        return []
+    return [f"this is salloc's shell of Slurm job {place.job_id} on {here}, which is not one of"
+            f" the job's nodes ({nodes}): the GPUs are {here}'s, not the allocation's; start it"
+            " in the job with: srun devicekit run ..."]
 
 
 def asked_procs(request: RunRequest) -> int | str | None:

@@ -1,15 +1,16 @@
 """devicekit.parallel: what runs inside a rank of a data-parallel job.
 
 The wing a training script calls once its process exists: the process group and this rank's
-device (``dist``, ``rank``, cluster ``environments``), DDP set-up, samplers, epochs, uneven
+device (``dist``, ``rank``; the launcher variables are read by
+:mod:`devicekit.hardware.launchers`), DDP set-up, samplers, epochs, uneven
 inputs and checkpoints (``ddp``), weighted data for mixed GPUs (``weighted_loader``,
 ``weighted_split``), single-process DataParallel without the device-0 hotspot
 (``balanced_dp``), FSDP2 sharding per block (``shard``, ``blocks``). Starting and supervising
 the processes is :mod:`devicekit.jobs`, one floor up.
 
 May import: ``units``, ``errors``, ``hardware``, ``placement`` (and torch). Never ``jobs``,
-``strategy``, ``cli`` or ``integrations``. Tests: ``tests/parallel/`` (``environments/`` in
-``test_environments.py``, ``boot/`` in ``test_boot_hook.py``).
+``strategy``, ``cli`` or ``integrations``. Tests: ``tests/parallel/`` (``boot/`` in
+``test_boot_hook.py``).
 
 Usage::
 

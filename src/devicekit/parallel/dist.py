@@ -30,11 +30,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from devicekit.errors import DistributedError
+from devicekit.hardware.launchers import DistEnv, detect_environment, slurm_place
+from devicekit.hardware.launchers.base import check_resolvable, is_loopback
+from devicekit.hardware.launchers.torchrun import PUBLISHED_MARKER
 from devicekit.parallel import collective_log
 from devicekit.parallel.clean_exit import exit_without_teardown
-from devicekit.parallel.environments import DistEnv, detect_environment
-from devicekit.parallel.environments.base import check_resolvable, is_loopback
-from devicekit.parallel.environments.torchrun import PUBLISHED_MARKER
 from devicekit.teardown import settle_backend_threads
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ __all__ = [
     "GPUS_PER_PROC_ENV",
     "OWN_DEVICES_ENV",
     "LOOPBACK_OK_ENV",
+    "WorldOfOneWarning",
 ]
 
 #: set by ``devicekit run`` / ``dk.launch``: GPUs each process drives (model parallel inside DDP)
@@ -157,6 +158,8 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
     facts = env()
     if is_initialized():
         return device(facts)
+    if facts.source == "single":
+        _warn_outside_slurm_step()
     _check_local_rank_argument(facts, sys.argv)
     _check_master_address(facts)
     dev = device(facts)
@@ -192,6 +195,22 @@ def init(backend: str = "auto", timeout: float | timedelta | None = None) -> tor
     # under devicekit run / dk.launch: this rank records its collectives for the hang doctor
     collective_log.start_from_environment(facts.rank, collective_log.group_timeout(span, name))
     return dev
+
+
+class WorldOfOneWarning(UserWarning):
+    """``dk.dist.init()`` in a Slurm job of several tasks, but outside any srun step."""
+
+
+def _warn_outside_slurm_step() -> None:
+    """The sbatch script or salloc's shell of a job with several tasks is one process: say so,
+    since the user most likely meant ``srun -n N python ...`` (never a silent world of one)."""
+    place = slurm_place(os.environ)
+    if place.outside_step and place.job_tasks > 1:
+        warnings.warn(
+            f"dk.dist.init() runs in {place.where} of Slurm job {place.job_id} ({place.job_tasks}"
+            " tasks), which is none of its tasks: a world of one; start the ranks with"
+            f" 'srun -n {place.job_tasks} python ...' (or 'devicekit run')",
+            WorldOfOneWarning, stacklevel=3)
 
 
 def _publish_torchrun_variables(facts: DistEnv) -> None:

@@ -231,6 +231,11 @@ def iter_checks(env: Mapping[str, str] | None = None, *, torch: bool = True) -> 
     yield check_queue_policy()
     yield check_pid_namespace(inv, env)
     yield check_launcher(env, visible_gpus=_visible_count(inv, env))
+    from devicekit.hardware.slurm_node import check_slurm
+
+    slurm = check_slurm(env)  # inside a Slurm job only: its id and its GPUs (scontrol)
+    if slurm is not None:
+        yield slurm
 
 
 def check_pid_namespace(inv: Inventory, env: Mapping[str, str]) -> Check:

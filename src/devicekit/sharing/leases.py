@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from devicekit.errors import LeaseError
+from devicekit.hardware.launchers.slurm import slurm_job_id
 from devicekit.sharing.device_locks import BUDGET, HOLD, legacy_handshake, lock_device, safe_name
 from devicekit.sharing.lease_directory import (
     DEFAULT_LEASE_DIR,
@@ -54,6 +55,7 @@ from devicekit.sharing.lease_directory import (
     write_locked,
 )
 from devicekit.sharing.lease_records import (
+    JOB_ENV,
     SUFFIX,
     LeaseRecord,
     current_command,
@@ -72,7 +74,18 @@ __all__ = [
     "read_leases",
     "directory_lock",
     "current_command",
+    "default_job",
 ]
+
+
+def default_job() -> str:
+    """The job id a lease carries: ``DEVICEKIT_JOB_ID`` when it names one, else the Slurm job id
+    (``12345``, ``12340_5`` for an array task) inside a Slurm job, else devicekit's own token."""
+    slurm = slurm_job_id(os.environ)
+    named = os.environ.get(JOB_ENV)
+    if named is not None and named != slurm:
+        return current_job()
+    return slurm or current_job()
 
 #: a share request's own check of one device: (uuid, its live lease records) -> why not, or None
 Judge = Callable[[str, Sequence[LeaseRecord]], "str | None"]
@@ -246,7 +259,7 @@ class _Identity:
                  job: str | None = None) -> None:
         self.memory, self.share = memory, share
         self.command = command if command is not None else current_command()
-        self.job = job if job is not None else current_job()
+        self.job = job if job is not None else default_job()
         self.user, self.host, self.since = user_name(os.geteuid()), os.uname().nodename, time.time()
 
     def record(self, uuid: str) -> LeaseRecord:

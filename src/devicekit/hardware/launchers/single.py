@@ -2,7 +2,7 @@
 
 Usage::
 
-    from devicekit.parallel.environments.single import SingleEnvironment
+    from devicekit.hardware.launchers.single import SingleEnvironment
 
     assert SingleEnvironment().read().world_size == 1
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from devicekit.parallel.environments.base import (
+from devicekit.hardware.launchers.base import (
     DEFAULT_PORT,
     DistEnv,
     Environment,

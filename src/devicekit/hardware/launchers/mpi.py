@@ -13,7 +13,7 @@ is neither (a rankfile) is refused with one line rather than guessed.
 
 Usage::
 
-    from devicekit.parallel.environments.mpi import MPIEnvironment
+    from devicekit.hardware.launchers.mpi import MPIEnvironment
 
     if MPIEnvironment.detect(os.environ):
         print(MPIEnvironment().read().rank)
@@ -27,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from devicekit.errors import DistributedError
-from devicekit.parallel.environments.base import (
+from devicekit.hardware.launchers.base import (
     DEFAULT_PORT,
     DistEnv,
     Environment,
@@ -81,7 +81,8 @@ class MPIEnvironment(Environment):
                 master_addr=e.get("MASTER_ADDR") or "127.0.0.1",
                 master_port=integer_variable(e, "MASTER_PORT", DEFAULT_PORT),
                 source=self.name,
-            )
+            ),
+            (rank_var, size_var, local_var),
         )
 
 

@@ -8,7 +8,7 @@ Every launcher that starts several processes on a node says so with LOCAL_RANK.
 
 Usage::
 
-    from devicekit.parallel.environments.torchrun import TorchrunEnvironment
+    from devicekit.hardware.launchers.torchrun import TorchrunEnvironment
 
     if TorchrunEnvironment.detect(os.environ):
         print(TorchrunEnvironment().read().local_rank)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from devicekit.parallel.environments.base import (
+from devicekit.hardware.launchers.base import (
     DEFAULT_PORT,
     DistEnv,
     Environment,
@@ -46,6 +46,7 @@ class TorchrunEnvironment(Environment):
     """Processes started by torchrun (or any launcher setting RANK and WORLD_SIZE)."""
 
     name = "torchrun"
+    variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from devicekit.parallel.environments.base import DistEnv
+    from devicekit.hardware.launchers.base import DistEnv
 
     facts = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
                     nnodes=1, master_addr="127.0.0.1", master_port=29500, source="single")
@@ -66,6 +66,8 @@ class Environment(ABC):
     """One launcher's variables. Subclasses set ``name`` and implement ``detect`` and ``read``."""
 
     name: ClassVar[str] = "?"
+    #: the variables that carry (rank, world size, local rank), for messages
+    variables: ClassVar[tuple[str, str, str]] = ("rank", "world size", "local rank")
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
@@ -79,20 +81,21 @@ class Environment(ABC):
     def read(self) -> DistEnv:
         """The rank facts from the variables; one-line DistributedError when they are bad."""
 
-    def check(self, facts: DistEnv) -> DistEnv:
+    def check(self, facts: DistEnv, variables: tuple[str, str, str] | None = None) -> DistEnv:
         """Reject facts no launcher could mean (rank outside the world, zero processes)."""
+        rank, size, local = variables or self.variables
         where = f"{self.name} variables"
         if facts.world_size < 1:
-            raise DistributedError(f"world size {facts.world_size} from {where} must be >= 1")
+            raise DistributedError(f"{size}={facts.world_size} ({where}) must be >= 1")
         if not 0 <= facts.rank < facts.world_size:
             raise DistributedError(
-                f"rank {facts.rank} from {where} is outside the world of {facts.world_size}"
-                " processes; check the launcher's rank variables"
+                f"{rank}={facts.rank} is not in 0..{facts.world_size - 1} ({size}="
+                f"{facts.world_size}, {where}); check the launcher's rank variables"
             )
         if not 0 <= facts.local_rank < max(facts.local_world_size, 1):
             raise DistributedError(
-                f"local rank {facts.local_rank} from {where} is outside the"
-                f" {facts.local_world_size} processes of this node"
+                f"{local}={facts.local_rank} is not below the {facts.local_world_size}"
+                f" process(es) of this node ({where})"
             )
         if not 0 < facts.master_port < 65536:
             raise DistributedError(f"master port {facts.master_port} from {where} is not a TCP port")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from devicekit.errors import DistributedError
+from devicekit.hardware.launchers import detect_environment, expand_nodelist
+from devicekit.hardware.launchers.slurm import port_for_job, tasks_per_node
 from devicekit.parallel import dist
-from devicekit.parallel.environments import detect_environment, expand_nodelist
-from devicekit.parallel.environments.slurm import port_for_job, tasks_per_node
 
 
 def read(env: dict[str, str]) -> dist.DistEnv:
@@ -44,7 +44,7 @@ def test_torchrun_wins_inside_a_slurm_job() -> None:
 SLURM = {
     "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8", "SLURM_NODEID": "1",
     "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "4(x2)",
-    "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "train.sh",
+    "SLURM_JOB_ID": "123456", "SLURM_JOB_NAME": "train.sh", "SLURM_STEP_ID": "0",
 }
 
 
@@ -69,9 +69,19 @@ def test_slurm_uneven_tasks_per_node() -> None:
     assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
 
 
-def test_interactive_slurm_shell_is_a_plain_process() -> None:
-    facts = read({**SLURM, "SLURM_JOB_NAME": "bash"})
-    assert facts.source == "single"
+def test_the_job_name_does_not_decide_a_step_task_is_a_rank() -> None:
+    # srun steps inside salloc inherit its job name "interactive": they are still ranks
+    for name in ("bash", "interactive", "sh", "zsh"):
+        assert read({**SLURM, "SLURM_JOB_NAME": name}).source == "slurm"
+    # salloc's own shell: no SLURM_PROCID, no step id
+    shell = {k: v for k, v in SLURM.items() if k not in ("SLURM_PROCID", "SLURM_STEP_ID", "SLURM_LOCALID")}
+    assert read(shell).source == "single"
+
+
+def test_task_variables_without_a_step_are_refused_not_a_world_of_one() -> None:
+    no_step = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    with pytest.raises(DistributedError, match="SLURM_PROCID=6 but no SLURM_STEP_ID"):
+        read(no_step)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +127,7 @@ def test_mpi_flavours(env: dict[str, str]) -> None:
     ("env", "needle"),
     [
         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
-        ({"RANK": "4", "WORLD_SIZE": "2"}, "rank 4"),
+        ({"RANK": "4", "WORLD_SIZE": "2"}, "RANK=4 is not in 0..1 (WORLD_SIZE=2"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, "99999"),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
           "SLURM_TASKS_PER_NODE": "2(y3)"}, "2(y3)"),
@@ -171,7 +181,7 @@ def test_kubeflow_rank_gets_its_pods_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 ])
 def test_lightning_torchelastic_variables(env, expected) -> None:
     if expected is None:  # local rank 2 of a node of 2: Lightning reads it, devicekit refuses
-        with pytest.raises(DistributedError, match="local rank 2 .* outside the 2 processes"):
+        with pytest.raises(DistributedError, match=r"LOCAL_RANK=2 is not below the 2 process\(es\)"):
             read(env)
         return
     facts = read(env)
@@ -180,10 +190,12 @@ def test_lightning_torchelastic_variables(env, expected) -> None:
 
 
 def test_lightning_slurm_variables() -> None:
-    # Lightning's test_slurm.py::test_attributes_from_environment_variables
+    # Lightning's test_slurm.py::test_attributes_from_environment_variables, plus the step id
+    # every real srun task has (Lightning reads the task variables without one; devicekit
+    # refuses them then: see test_task_variables_without_a_step_are_refused_not_a_world_of_one)
     env = {"SLURM_NODELIST": "1.1.1.1, 1.1.1.2", "SLURM_JOB_ID": "0001234", "SLURM_NTASKS": "20",
            "SLURM_NTASKS_PER_NODE": "10", "SLURM_LOCALID": "2", "SLURM_PROCID": "1",
-           "SLURM_NODEID": "3", "SLURM_JOB_NAME": "JOB"}
+           "SLURM_NODEID": "3", "SLURM_JOB_NAME": "JOB", "SLURM_STEP_ID": "0"}
     facts = read(env)
     assert facts.source == "slurm"
     assert (facts.world_size, facts.rank, facts.local_rank, facts.node_rank) == (20, 1, 2, 3)
@@ -198,7 +210,7 @@ def test_mpi_node_ranks_come_from_host_names(monkeypatch, hosts, node_ranks) -> 
     import sys
     from unittest import mock
 
-    from devicekit.parallel.environments import mpi
+    from devicekit.hardware.launchers import mpi
 
     fake = mock.MagicMock()
     fake.COMM_WORLD.allgather.return_value = hosts
@@ -246,7 +258,7 @@ def test_unresolvable_master_address_is_one_line_before_any_rendezvous(monkeypat
 
 
 def test_ip_addresses_and_known_names_resolve() -> None:
-    from devicekit.parallel.environments.base import check_resolvable
+    from devicekit.hardware.launchers.base import check_resolvable
 
     for ok in ("10.1.2.3", "[::1]", "localhost"):
         check_resolvable(ok)

@@ -3,14 +3,16 @@
 Each cluster environment is one small class with ``detect(environ)`` and ``read(environ)``
 (Lightning Fabric's idea, without its connectors). :func:`detect_environment` asks them in
 order of precedence and returns the first that recognises the variables; a plain process is
-the fallback. ``dk.dist.env()`` is the public entry point.
+the fallback. This is the one reader of launcher variables: ``dk.dist.env()`` / ``dk.dist.init()``
+(a rank's view), ``devicekit run`` (:mod:`devicekit.jobs.outer`: the launcher it runs under),
+``dk.launch``, ``doctor`` (:mod:`devicekit.hardware.launcher_checks`) and ``status`` all ask it.
+Slurm's rules (decided from the step, not the job name) are in :mod:`.slurm`.
 
-Part of the ``parallel`` wing (what a rank reads about itself); ``devicekit.jobs`` reads the
-same classes to join an outer launcher's job. Imports only ``errors``.
+On the hardware floor: the environment alone, no torch. Imports only ``errors``.
 
 Usage::
 
-    from devicekit.parallel.environments import detect_environment
+    from devicekit.hardware.launchers import detect_environment
 
     facts = detect_environment().read()      # a frozen DistEnv
     print(facts.source, facts.rank, facts.world_size, facts.master_addr)
@@ -21,11 +23,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from devicekit.parallel.environments.base import DistEnv, Environment
-from devicekit.parallel.environments.mpi import MPIEnvironment
-from devicekit.parallel.environments.single import SingleEnvironment
-from devicekit.parallel.environments.slurm import SlurmEnvironment, expand_nodelist
-from devicekit.parallel.environments.torchrun import (
+from devicekit.hardware.launchers.base import DistEnv, Environment
+from devicekit.hardware.launchers.mpi import MPIEnvironment
+from devicekit.hardware.launchers.single import SingleEnvironment
+from devicekit.hardware.launchers.slurm import SlurmEnvironment, SlurmPlace, slurm_place
+from devicekit.hardware.launchers.slurm_nodes import expand_nodelist
+from devicekit.hardware.launchers.torchrun import (
     DevicekitEnvironment,
     KubeflowEnvironment,
     TorchrunEnvironment,
@@ -43,6 +46,8 @@ __all__ = [
     "ENVIRONMENTS",
     "detect_environment",
     "expand_nodelist",
+    "SlurmPlace",
+    "slurm_place",
 ]
 
 #: Order of precedence: a launcher started inside a Slurm or MPI job sets its own variables,
