@@ -96,7 +96,7 @@ def decode(data: bytes, kind: type[T], *, limit: int) -> T:
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
-            UnicodeDecodeError) as exc:
+            UnicodeError) as exc:
         raise BadDocument(_reason(exc)) from None
 
 
@@ -104,7 +104,7 @@ def convert(data: Any, kind: type[T]) -> T:
     """Already-parsed data (e.g. TOML) as ``kind``, or :class:`BadDocument` saying why."""
     try:
         return msgspec.convert(data, type=kind, strict=True)
-    except (msgspec.ValidationError, RecursionError) as exc:
+    except (msgspec.ValidationError, RecursionError, UnicodeError) as exc:
         raise BadDocument(_reason(exc)) from None
 
 

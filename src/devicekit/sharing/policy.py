@@ -178,8 +178,13 @@ def _parse(text: str, path: str) -> Policy:
     except ImportError:  # python 3.10: pyproject installs tomli there
         import tomli as tomllib  # type: ignore[no-redef]
 
+    return policy_from_data(tomllib.loads(text), path)
+
+
+def policy_from_data(data: Any, path: str = "") -> Policy:
+    """The parsed TOML ``data`` as a :class:`Policy`, or ValueError / InvalidValueError why."""
     try:
-        doc = convert(tomllib.loads(text), PolicyDocument)
+        doc = convert(data, PolicyDocument)
     except BadDocument as exc:
         raise ValueError(str(exc)) from None
     grace = _duration(doc.time_limit_grace, "time_limit_grace")
