@@ -255,3 +255,27 @@ def test_item12_no_lease_label_prometheus_rewrites(spawn, admin_lease_dir, simul
     holders = [s.labels for f in families for s in f.samples
                if s.name == "devicekit_lease_holders"]
     assert [(h["user"], h["job_id"]) for h in holders] == [("nobody", "812_3")]
+
+
+@pytest.mark.parametrize("text", ["nan\n", "1e300\n", "-1e300\n", "inf\n", "0\n"])
+def test_a_stopped_jobs_marker_says_no_time_of_its_own(tmp_path, text: str) -> None:
+    """The marker a stopped job's owner keeps in the lease directory is made once; its change
+    time says since when the job is stopped, never its text (``nan`` crashed every status)."""
+    import signal
+
+    from devicekit.sharing.stopped_jobs import marker_path, stopped_since
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        before = time.time()
+        marker_path(tmp_path, child.pid).write_text(text)
+        deadline = time.monotonic() + 10
+        while (since := stopped_since(tmp_path, child.pid, os.getuid())) is None:
+            assert time.monotonic() < deadline, "the child was never seen stopped"
+            time.sleep(0.01)
+        assert before - 1 <= since <= time.time()
+        time.strftime("%H:%M:%S", time.localtime(since))  # what status does with it
+    finally:
+        child.kill()
+        child.wait(timeout=10)
