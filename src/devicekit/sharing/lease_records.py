@@ -71,7 +71,8 @@ class LeaseRecord:
     user: str
     host: str
     command: str
-    #: when the lease was taken (seconds since the epoch)
+    #: when the lease was taken (seconds since the epoch); read from a lease file, its inode
+    #: change time (when it got its name), which its writer cannot set back
     since: float
     #: memory the holder asked for, in bytes (None: the whole GPU)
     memory: int | None

@@ -6,9 +6,10 @@ Each item is bounded by its schema (a lease: a UUID of at most 96 characters, a 
 command of 200, a job id of 64: about 1 KiB of text, at most 4 KiB as escaped JSON); each list
 here is cut to a stated length with the count of the rest beside it (``leases_not_listed``,
 ``other_leases_not_listed``, ``queue_not_listed``, ``ignored_leases_not_listed``), so the
-document is at most :data:`MAX_LEASES_LISTED` leases per device, :data:`MAX_QUEUE_LISTED`
-waiting jobs and :data:`MAX_WARNINGS` warnings of :data:`MAX_WARNING_CHARS` characters,
-whatever the lease directory holds.
+document is at most :data:`MAX_LEASES_LISTED` leases per GPU (and as many again per MIG
+instance, and on devices not present), :data:`MAX_QUEUE_LISTED` waiting jobs and
+:data:`MAX_WARNINGS` warnings of :data:`MAX_WARNING_CHARS` characters, whatever the lease
+directory holds: about 128 KiB per GPU and per MIG instance at the very most.
 
 Usage::
 
