@@ -100,13 +100,17 @@ class StatusReport:
             "driver_version": self.driver_version,
             "cuda_driver_version": self.cuda_driver_version,
             "gpus": gpus,
+            "other_leases": [_lease_dict(r) for r in orphans],
+            "warnings": list(self.warnings),
+            **({"queue": list(self.queue)} if self.queue else {}),  # only while tickets wait
         }
-        listed(doc, "other_leases", [_lease_dict(r) for r in orphans])
-        doc["warnings"] = ceiling_warnings(self.warnings)
+        # the ceiling: lists other users can grow are cut, the rest counted
+        listed(doc, "other_leases", doc["other_leases"])
+        doc["warnings"] = ceiling_warnings(doc["warnings"])
         listed(doc, "ignored_leases", [{"file": i.name, "user": i.user, "why": i.why}
                                        for i in self.ignored_leases], limit=MAX_IGNORED_LISTED)
-        if self.queue:  # only while tickets wait
-            listed(doc, "queue", list(self.queue), limit=MAX_QUEUE_LISTED)
+        if "queue" in doc:
+            listed(doc, "queue", doc["queue"], limit=MAX_QUEUE_LISTED)
         return doc
 
 
