@@ -285,3 +285,82 @@ def test_a_stopped_jobs_marker_says_no_time_of_its_own(tmp_path, text: str) -> N
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+# --- defences that held in the third round, kept as tests ---------------------------------
+
+
+@needs_root
+def test_held_a_symlinked_policy_is_ignored_and_said(spawn, admin_lease_dir, simulate) -> None:
+    """bob points ``policy.toml`` at a file of his saying nobody may hold a GPU."""
+    simulate([h100()])
+    child = spawn("""
+import os, sys, time
+os.setgid(65534); os.setuid(65534)
+own = os.path.join(sys.argv[1], "bobs-policy")
+with open(own, "w") as handle:
+    handle.write("max_gpus_per_user = 0\\n")
+os.symlink(own, os.path.join(sys.argv[1], "policy.toml"))
+print("ready", flush=True)
+time.sleep(60)
+""", admin_lease_dir)
+    assert wait_line(child, timeout=30) == "ready"
+    from devicekit.sharing.policy import load_policy
+
+    policy = load_policy(Path(admin_lease_dir))
+    assert policy.max_gpus_per_user is None and "ignored" in policy.note
+    assert any(w.startswith("queue policy ") for w in collect_status().warnings)
+    with select_gpus(1) as sel:  # no quota of bob's making
+        assert len(sel.gpus) == 1
+
+
+@needs_root
+def test_held_a_ticket_hard_linked_under_a_lower_number_takes_no_row(
+        spawn, admin_lease_dir, simulate) -> None:
+    simulate([h100()])
+    alice = Ticket.take(Path(admin_lease_dir), {"count": 1, "command": "python alice.py",
+                                                "candidates": [dk.gpus()[0].uuid]})
+    try:
+        child = spawn("""
+import os, sys, time
+from pathlib import Path
+from devicekit.sharing.tickets import Ticket
+os.setgid(65534); os.setuid(65534)
+ticket = Ticket.take(Path(sys.argv[1]), {"count": 1, "candidates": [], "command": "bob"})
+name = ticket.path.name.split(".")
+os.link(ticket.path, ticket.path.with_name(".".join(["q", "000000001", name[2], "ln"] + name[4:])))
+print("ready", flush=True)
+time.sleep(60)
+""", admin_lease_dir)
+        assert wait_line(child, timeout=30) == "ready"
+        files = read_ticket_files(Path(admin_lease_dir))
+        assert [(t.ticket, t.user) for t in files.tickets] == [("1", "root"), ("2", "nobody")]
+        assert [(i.user, "JSON says" in i.why) for i in files.ignored] == [("nobody", True)]
+    finally:
+        alice.close()
+
+
+@needs_root
+def test_held_thousands_of_junk_lease_files_in_a_churning_directory(
+        spawn, admin_lease_dir, simulate) -> None:
+    """3,000 dead junk lease files alice cannot delete, and a directory bob changes nonstop (a
+    view of one moment is retried only a few times): every reader still answers."""
+    simulate([h100()])
+    child = spawn("""
+import os, sys, time
+os.setgid(65534); os.setuid(65534)
+for n in range(3000):
+    with open(os.path.join(sys.argv[1], f"GPU-junk.{n + 1}.x.lease"), "w") as handle:
+        handle.write("[" * 1000)
+print("ready", flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    path = os.path.join(sys.argv[1], "churn.lease")
+    open(path, "w").close()
+    os.unlink(path)
+""", admin_lease_dir)
+    assert wait_line(child, timeout=60) == "ready"
+    for args in (["status", "--json"], ["select"], ["queue"]):
+        done = cli(*args)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr)
+    assert json.loads(cli("status", "--json").stdout)["ignored_leases"] == []  # dead: skipped
