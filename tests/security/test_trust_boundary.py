@@ -10,6 +10,7 @@ rewrites (12). Bob's files stay live (locked) while alice reads, as a real attac
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -364,3 +365,31 @@ while time.monotonic() < end:
         done = cli(*args)
         assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr)
     assert json.loads(cli("status", "--json").stdout)["ignored_leases"] == []  # dead: skipped
+
+
+def test_a_long_command_is_kept_cut_never_a_reason_to_ignore(simulate) -> None:
+    """``devicekit run -- <5,000 characters>``: its lease and ticket are read (the command cut
+    to 200 characters with ``...``), not ignored; so is a file an older version wrote whole."""
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.leases import Lease, read_leases
+
+    simulate([h100(), h100()])
+    first, second = (g.uuid for g in dk.gpus())
+    long = "python train.py " + "--flag " * 700
+    with Lease.acquire([first], command=long):
+        old = lease_dir() / f"{second}.{os.getpid()}.old.lease"
+        fd = os.open(old, os.O_WRONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # live, as its writer holds it
+        os.write(fd, lease_text(second, os.getpid(), command=long * 2).encode())
+        ignored: list = []
+        records = read_leases(ignored=ignored)
+        old.unlink()
+        os.close(fd)
+    assert ignored == [] and len(records) == 2
+    assert all(len(r.command) == 200 and r.command.endswith("...") for r in records)
+    ticket = Ticket.take(lease_dir(), {"count": 1, "candidates": [first], "command": long})
+    try:
+        (record,) = read_ticket_files(lease_dir()).tickets
+        assert len(record.command) == 200 and record.command.startswith("python train.py")
+    finally:
+        ticket.close()

@@ -58,9 +58,10 @@ EpochSeconds = Annotated[float, msgspec.Meta(ge=0, le=2**32)]
 #: a duration: up to ten years
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10 * 366 * 86400)]
 Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
-#: a line of text (a command, filters in words, a host name): at most 1,024 characters; cut
-#: to what is shown by the reader (:func:`cut`), made inert by whoever prints it
-Text = Annotated[str, msgspec.Meta(max_length=1024)]
+#: a line of text (a command, filters in words): bounded by its document's size (at most
+#: 64 Ki characters), cut to what is kept by the reader (:func:`cut`: 200 characters for a
+#: command), made inert by whoever prints it
+Text = Annotated[str, msgspec.Meta(max_length=64 * 1024)]
 #: a short name (a GPU model, a version, a key): at most 256 characters
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 

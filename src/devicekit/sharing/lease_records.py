@@ -47,7 +47,12 @@ from devicekit.hardware.document_fields import (
 from devicekit.hardware.printable import printable
 from devicekit.sharing.device_locks import BUDGET, holders, safe_name
 from devicekit.sharing.lease_directory import OPEN_FLAGS, resolve_directory, user_name
-from devicekit.sharing.lease_document import MAX_LEASE_BYTES, SUFFIX, decode_lease
+from devicekit.sharing.lease_document import (
+    MAX_COMMAND_SHOWN,
+    MAX_LEASE_BYTES,
+    SUFFIX,
+    decode_lease,
+)
 
 __all__ = ["LeaseRecord", "read_leases", "file_records", "current_command", "current_job",
            "check_job_name", "JOB_ENV", "MAX_JOB_CHARS", "SUFFIX", "TMP_PREFIX", "IgnoredFile"]
@@ -101,6 +106,7 @@ class LeaseRecord:
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("kind")  # a lease file is always kind "lease"; the format stays what it was
+        data["command"] = cut(data["command"], MAX_COMMAND_SHOWN)  # what any reader keeps
         if data["job"] is None:
             data.pop("job")
         return json.dumps(data, sort_keys=True)

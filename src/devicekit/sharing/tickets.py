@@ -74,6 +74,8 @@ _MAX_TICKET = 64 * 1024
 #: ticket numbers above this are not numbers devicekit gives (a renamed file): ignored; past
 #: it, a new ticket takes the smallest free number instead
 _MAX_SEQ = 10**9
+#: characters of a ticket's command and filters that readers keep
+_KEPT = 200
 #: the longest time limit a ticket may declare (a year)
 _MAX_LIMIT = 366 * 86400.0
 #: attempts at a number of one's own when others joined in the same instant
@@ -152,6 +154,9 @@ class Ticket:
         seq = _next_seq(directory)
         data = {"version": 1, "seq": seq, "pid": os.getpid(), "host": os.uname().nodename,
                 "since": time.time(), "state": "waiting", **fields}
+        for key in ("command", "filters"):  # at most what a reader keeps
+            if isinstance(data.get(key), str):
+                data[key] = cut(data[key], _KEPT)
         token = os.urandom(4).hex()
         path = directory / _name(seq, token)
         fd = _write_locked(directory, path, data)
@@ -197,8 +202,9 @@ class Ticket:
         """The time limit the queue reads for this ticket now (its file may have been rewritten
         by its owner): what the job must be held to, since the queue planned with it."""
         got = _read_live(self.path)
-        if got is None or got[2] is None:
-            return _limit(self.data.get("time_limit"))
+        if got is None or got[2] is None:  # our own data, as we wrote it
+            limit = self.data.get("time_limit")
+            return None if limit is None else float(limit)
         try:
             return decode(got[2], TicketDocument, limit=_MAX_TICKET).time_limit
         except BadDocument:
@@ -365,16 +371,6 @@ def _read_live(path: Path) -> tuple[bool, os.stat_result, bytes | None] | None:
         os.close(fd)
 
 
-def _limit(value: Any) -> float | None:
-    """A time limit from a ticket: None, or a finite number of seconds > 0 (else ValueError)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < float(value) <= _MAX_LIMIT:
-        raise ValueError(f"time_limit {str(value)[:40]} is out of range")
-    return float(value)
-
-
 class TicketDocument(msgspec.Struct, frozen=True):
     """What a ticket file may say: every field bounded (unknown keys are skipped; the user is
     the file's owner and the ticket's age its change time, never the document's word)."""
@@ -412,9 +408,9 @@ def _record(path: Path, info: os.stat_result, data: bytes) -> tuple[TicketRecord
         return None, f"malformed: {exc}"
     return TicketRecord(
         ticket=str(seq), seq=seq, user=user_name(info.st_uid), pid=doc.pid,
-        host=cut(doc.host, 200), command=cut(doc.command, 200), count=doc.count,
+        host=cut(doc.host, _KEPT), command=cut(doc.command, _KEPT), count=doc.count,
         candidates=tuple(doc.candidates), min_free=doc.min_free, max_util=doc.max_util,
-        filters=cut(doc.filters, 200),
+        filters=cut(doc.filters, _KEPT),
         since=info.st_ctime_ns / 1e9,  # when it joined: its owner cannot set this back
         time_limit=doc.time_limit, grace=doc.grace, state=doc.state, gpus=tuple(doc.gpus),
         ends=doc.ends, path=str(path), joined_ns=info.st_ctime_ns,
