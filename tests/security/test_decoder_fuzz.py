@@ -97,7 +97,7 @@ def test_lease_documents(data: bytes) -> None:
         assert str(exc) and "\n" not in str(exc) and len(str(exc)) <= 200
         return
     assert re.fullmatch(UUID_PATTERN, doc.gpu_uuid) and 1 <= doc.pid <= PID_MAX
-    assert doc.memory is None or 0 <= doc.memory <= 2**56
+    assert doc.memory is None or 0 <= doc.memory <= 2**62
     assert doc.job is None or re.fullmatch(JOB_PATTERN, doc.job)
     assert _finite(doc.since) and len(doc.command) <= MAX_COMMAND_SHOWN and len(doc.host) <= 255
 
@@ -120,7 +120,7 @@ def test_ticket_documents(data: bytes) -> None:
     assert record.seq == 3 and record.pid == 4242 and 1 <= record.count <= MAX_COUNT
     assert record.since == 1.7e9  # the file's change time, whatever the ticket says
     assert _finite(record.max_util, record.time_limit, record.grace, record.ends)
-    assert record.min_free is None or 0 <= record.min_free <= 2**56
+    assert record.min_free is None or 0 <= record.min_free <= 2**62
     assert len(record.candidates) <= MAX_COUNT and len(record.gpus) <= MAX_COUNT
     assert all(len(t) <= 200 for t in (record.command, record.host, record.filters))
 

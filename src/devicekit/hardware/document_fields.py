@@ -50,8 +50,8 @@ GpuUuid = Annotated[str, msgspec.Meta(pattern=UUID_PATTERN)]
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_PATTERN)]
 Pid = Annotated[int, msgspec.Meta(ge=1, le=PID_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
-#: a memory size: up to 64 PiB
-ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**56)]
+#: a memory size: up to 4 EiB (2**62 bytes)
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 #: a wall-clock time, seconds since the epoch, before 2106 (display only: times that drive
 #: behaviour come from file change times, which the writer cannot set)
 EpochSeconds = Annotated[float, msgspec.Meta(ge=0, le=2**32)]

@@ -4,7 +4,7 @@ A lease file (``<uuid>.<pid>.<token>.lease``, JSON, at most 64 KiB) is written b
 the lease, so everything in it is its owner's word. :class:`LeaseDocument` bounds every field
 (see :mod:`devicekit.hardware.document_fields`): the GPU UUID in its format and matching the
 file's name, the pid a whole number the kernel could give, the job id in ``run --name``'s
-format (or a Slurm job id), memory a size below 64 PiB, strings of bounded length. What
+format (or a Slurm job id), memory a size up to 2**62 bytes, strings of bounded length. What
 devicekit takes from the file system instead: the user (the file's owner) and the lease's age
 (the file's inode change time, which no plain user can set back; the document's own
 ``since`` is only checked, never used). A file that fails is :class:`BadDocument`, and its

@@ -58,7 +58,6 @@ from devicekit.hardware.document_fields import (
     IgnoredFile,
     Percent,
     Pid,
-    Seconds,
     Text,
     cut,
     decode,
@@ -76,8 +75,8 @@ _MAX_TICKET = 64 * 1024
 _MAX_SEQ = 10**9
 #: characters of a ticket's command and filters that readers keep
 _KEPT = 200
-#: the longest time limit a ticket may declare (a year)
-_MAX_LIMIT = 366 * 86400.0
+#: the longest time limit a ticket may declare (ten years)
+_MAX_LIMIT = 10 * 366 * 86400.0
 #: attempts at a number of one's own when others joined in the same instant
 _NUMBERING_TRIES = 20
 
@@ -389,8 +388,8 @@ class TicketDocument(msgspec.Struct, frozen=True):
     since: EpochSeconds | None = None
     time_limit: Annotated[float, msgspec.Meta(gt=0, le=_MAX_LIMIT)] | None = None
     grace: Annotated[float, msgspec.Meta(ge=0, le=86400.0 * 365)] = 0.0
-    #: a running job's monotonic end (seconds since boot)
-    ends: Seconds | None = None
+    #: a running job's monotonic end (seconds since boot: a limit after years of uptime)
+    ends: Annotated[float, msgspec.Meta(ge=0, le=100 * 366 * 86400.0)] | None = None
 
 
 def _record(path: Path, info: os.stat_result, data: bytes) -> tuple[TicketRecord | None, str]:
