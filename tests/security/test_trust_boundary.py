@@ -393,3 +393,19 @@ def test_a_long_command_is_kept_cut_never_a_reason_to_ignore(simulate) -> None:
         assert len(record.command) == 200 and record.command.startswith("python train.py")
     finally:
         ticket.close()
+
+
+def test_a_lease_or_ticket_every_reader_would_ignore_is_refused_when_written(simulate) -> None:
+    """A writer never leaves a file its readers ignore (a waiter whose own ticket is ignored
+    would wait unseen): one line naming the field instead."""
+    from devicekit.errors import InvalidValueError, LeaseError
+    from devicekit.sharing.lease_directory import lease_dir
+    from devicekit.sharing.leases import Lease
+
+    simulate([h100(uuid="GPU-not a uuid")])
+    with pytest.raises(LeaseError, match=r"cannot lease GPU 'GPU-not a uuid': .*gpu_uuid"):
+        Lease.acquire(["GPU-not a uuid"])
+    with pytest.raises(InvalidValueError, match=r"cannot join the GPU queue .*time_limit"):
+        Ticket.take(lease_dir(), {"count": 1, "candidates": [], "command": "x",
+                                  "time_limit": 1e12})
+    assert not [n for n in os.listdir(lease_dir()) if n.endswith((".lease", ".ticket"))]

@@ -43,6 +43,7 @@ from devicekit.hardware.document_fields import (
     BadDocument,
     IgnoredFile,
     cut,
+    decode,
 )
 from devicekit.hardware.printable import printable
 from devicekit.sharing.device_locks import BUDGET, holders, safe_name
@@ -51,6 +52,7 @@ from devicekit.sharing.lease_document import (
     MAX_COMMAND_SHOWN,
     MAX_LEASE_BYTES,
     SUFFIX,
+    LeaseDocument,
     decode_lease,
 )
 
@@ -109,7 +111,13 @@ class LeaseRecord:
         data["command"] = cut(data["command"], MAX_COMMAND_SHOWN)  # what any reader keeps
         if data["job"] is None:
             data.pop("job")
-        return json.dumps(data, sort_keys=True)
+        text = json.dumps(data, sort_keys=True)
+        try:  # a lease every reader would ignore is refused here, naming the field
+            decode(text.encode(), LeaseDocument, limit=MAX_LEASE_BYTES)
+        except BadDocument as exc:
+            raise LeaseError(f"cannot lease GPU {printable(cut(self.gpu_uuid, 100))!r}: {exc}"
+                             ) from None
+        return text
 
 
 def _format_bytes(n: int) -> str:

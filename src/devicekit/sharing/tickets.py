@@ -47,7 +47,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from devicekit.errors import LeaseError
+from devicekit.errors import InvalidValueError, LeaseError
 from devicekit.hardware.document_fields import (
     MAX_COUNT,
     BadDocument,
@@ -280,8 +280,16 @@ def _overtaken(directory: Path, path: Path, seq: int, ctime_ns: int) -> bool:
 
 
 def _write_locked(directory: Path, final: Path, data: dict[str, Any]) -> int:
-    """Write ``data`` as the ticket ``final``, locked; the locked fd (held while waiting)."""
-    return write_locked(directory, final, json.dumps(data, sort_keys=True).encode(), "a queue ticket")
+    """Write ``data`` as the ticket ``final``, locked; the locked fd (held while waiting).
+
+    A ticket every reader would ignore (its waiter would wait unseen) is refused instead, in
+    one line naming the bad field."""
+    body = json.dumps(data, sort_keys=True).encode()
+    try:
+        decode(body, TicketDocument, limit=_MAX_TICKET)
+    except BadDocument as exc:
+        raise InvalidValueError(f"cannot join the GPU queue with this request: {exc}") from None
+    return write_locked(directory, final, body, "a queue ticket")
 
 
 #: a live ticket file the queue does not trust, and why (shown by ``devicekit queue``)
@@ -421,8 +429,6 @@ def cancel_ticket(directory: Path, ticket: str) -> TicketRecord:
 
     Raises :class:`LeaseError` naming the ticket when there is none, it runs, or it is not yours.
     """
-    from devicekit.errors import InvalidValueError
-
     text = str(ticket).strip()
     if not text.isdigit():
         raise InvalidValueError(f"ticket {ticket!r} is not a ticket number (see 'devicekit queue')")
