@@ -206,8 +206,9 @@ def _from_name(path: Path, info: os.stat_result) -> LeaseRecord | None:
                        memory=None, share=False)
 
 
-def _read_record(path: Path, info: os.stat_result) -> LeaseRecord:
-    """The lease file ``path`` as a record, or :class:`BadDocument` saying why it is ignored."""
+def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
+    """The lease file ``path`` as a record, None when it vanished meanwhile (released), or
+    :class:`BadDocument` saying why it is ignored."""
     # O_NONBLOCK + a fresh fstat: the file's owner may have renamed a FIFO (which would block an
     # open for reading, with the directory lock held) or a huge file over it since the probe
     try:
@@ -217,6 +218,8 @@ def _read_record(path: Path, info: os.stat_result) -> LeaseRecord:
         if record is None:
             raise BadDocument("unreadable, and its name is no lease's") from None
         return record
+    except FileNotFoundError:  # released since the probe
+        return None
     except OSError as exc:
         raise BadDocument(f"cannot be opened ({exc.strerror})") from None
     try:
@@ -273,7 +276,8 @@ def file_records(path: Path, *, cleanup: bool = False,
                 ignored.append(IgnoredFile(printable(cut(name, 120)), user_name(info.st_uid),
                                            str(exc)))
             continue
-        records.append(_live(record, info))
+        if record is not None:
+            records.append(_live(record, info))
     records.sort(key=lambda r: (r.since, r.gpu_uuid))
     return records
 
