@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,12 +77,19 @@ def test_lease_files_carry_the_job_bounded(simulate, capsys, monkeypatch):
             main(["status"])
         out = capsys.readouterr().out
         assert "Job" in out and "eval-7" in out and "from-env" in out
-    # another user's lease file says anything: a job is kept only as bounded text
+    # another user's lease file says anything: a job id is kept only in run --name's format
+    # (or a Slurm job id); any other makes the file ignored, with the reason
+    from devicekit.hardware.document_fields import BadDocument
+    from devicekit.sharing.lease_records import _read_record
+
     path = lease_dir() / f"{gpus[0].uuid}.1.x.lease"
     record = {"gpu_uuid": gpus[0].uuid, "pid": 1, "host": "h", "command": "c", "since": 1.0,
               "memory": None, "share": False}
-    for job, kept in ((123, None), ("j" * 500, "j" * 64), ("\x1b[2J", "\x1b[2J")):
+    for job in ("812", "812_3", "a1b2c3", "eval-7"):
         path.write_text(json.dumps({**record, "job": job}))
-        from devicekit.sharing.lease_records import _read_record
-
-        assert _read_record(path, path.stat()).job == kept
+        assert _read_record(path, path.stat()).job == job
+    for job, why in ((123, "Expected `str | null`, got `int`"), ("j" * 500, "matching regex"),
+                     ("\x1b[2J", "matching regex")):
+        path.write_text(json.dumps({**record, "job": job}))
+        with pytest.raises(BadDocument, match=re.escape(why) if "`" in why else why):
+            _read_record(path, path.stat())

@@ -25,7 +25,7 @@ GPU_KEYS = {"index", "uuid", "name", "pci_bus_id", "memory_total", "memory_used"
             "utilization", "memory_bandwidth_utilization", "temperature", "power_draw",
             "power_limit", "compute_capability", "compute_mode", "mig_enabled", "mig_devices",
             "processes", "backend", "leases", "architecture", "sm_count",
-            "max_sm_clock", "memory_bandwidth", "capability", "blocked"}
+            "max_sm_clock", "memory_bandwidth", "capability", "blocked", "leases_not_listed"}
 LEASE_KEYS = {"gpu_uuid", "pid", "user", "host", "command", "since", "memory", "share", "kind",
               "stopped_since", "job"}
 
@@ -63,6 +63,7 @@ def test_json_schema_with_a_lease(two, capsys):
     assert doc["schema"] == 1
     assert set(doc) == {"schema", "devicekit_version", "taken_at", "host", "backend",
                         "driver_version", "cuda_driver_version", "gpus", "other_leases",
+                        "other_leases_not_listed", "ignored_leases", "ignored_leases_not_listed",
                         "warnings"}
     assert doc["backend"] == "simulated" and doc["devicekit_version"] == dk.__version__
     assert {"hostname", "cpu_count_logical", "memory_total", "usable_cpus"} <= set(doc["host"])

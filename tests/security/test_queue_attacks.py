@@ -109,7 +109,8 @@ time.sleep(60)
 @needs_root
 @pytest.mark.parametrize("edit, why", [
     # the attack: the JSON's number rewritten in place to go first
-    ("data = json.loads(text); data['seq'] = -1; path.write_text(json.dumps(data))", "JSON says"),
+    ("data = json.loads(text); data['seq'] = -1; path.write_text(json.dumps(data))", "`$.seq`"),
+    ("data = json.loads(text); data['seq'] = 3; path.write_text(json.dumps(data))", "JSON says"),
     # the file renamed to alice's number, count raised: a copy of her row
     ("data = json.loads(text); data['seq'] = 1; data['count'] = 1000\n"
      "new = path.with_name('q.000000001.' + path.name.split('.', 2)[2])\n"

@@ -69,7 +69,7 @@ def test_metrics_parse_and_equal_status_json(server, leased, capsys):
     (lease,) = doc["gpus"][1]["leases"]
     user = lease["user"]
     lease_labels = {"gpu": "1", "uuid": lease["gpu_uuid"], "user": user, "kind": "lease",
-                    "job": lease["job"]}
+                    "job_id": lease["job"]}
     assert lease["job"]  # every lease carries its job id (here: this process's generated one)
     assert one(found, "devicekit_lease_holders", **lease_labels) == 1
     assert one(found, "devicekit_lease_since_timestamp_seconds", **lease_labels) == lease["since"]
@@ -81,7 +81,7 @@ def test_metrics_parse_and_equal_status_json(server, leased, capsys):
     assert one(found, "devicekit_queue_waiting_jobs") == 0
     # bounded cardinality: no label carries a pid or a command line
     labels_seen = {k for rows in found.values() for lab, _ in rows for k in lab}
-    assert labels_seen <= {"gpu", "uuid", "name", "hostname", "user", "kind", "job", "mig",
+    assert labels_seen <= {"gpu", "uuid", "name", "hostname", "user", "kind", "job_id", "mig",
                            "version", "backend", "driver_version", "cuda_driver_version"}
     values_seen = {v for rows in found.values() for lab, _ in rows for v in lab.values()}
     assert not any("python" in v or v in ("4242", "666") for v in values_seen)

@@ -83,9 +83,9 @@ def test_new_metrics_say_what_the_alerts_need():
     doc = tracker.annotate(a_lab_document(now))
     text = render_metrics(doc)
     idle = values(text, "devicekit_lease_idle_seconds")
-    alice = (("gpu", "0"), ("job", "bert"), ("kind", "lease"), ("user", "alice"),
+    alice = (("gpu", "0"), ("job_id", "bert"), ("kind", "lease"), ("user", "alice"),
              ("uuid", "GPU-0"))
-    bob = (("gpu", "1"), ("job", ""), ("kind", "lease"), ("user", "bob"), ("uuid", "GPU-1"))
+    bob = (("gpu", "1"), ("job_id", ""), ("kind", "lease"), ("user", "bob"), ("uuid", "GPU-1"))
     assert idle == {alice: pytest.approx(1900), bob: 0}  # MIG: utilization unknown, left out
     assert values(text, "devicekit_lease_holders")[alice] == 1
     assert values(text, "devicekit_queue_wait_seconds") == {(): pytest.approx(7200)}

@@ -161,13 +161,15 @@ def test_page_without_gpus_and_with_unknowns():
 
 
 def test_label_values_round_trip_through_the_parser():
-    """User names with quotes, backslashes and newlines stay one label value, exactly."""
+    """User names with quotes, backslashes and newlines stay one label value; a control
+    character is written escaped (a terminal showing the page never obeys it)."""
     odd = 'a"b\\c\nd} x{y="1"'
     doc = {"gpus": [{"index": 0, "uuid": "GPU-1", "name": 'GPU "x"', "memory_used": 5,
                      "processes": [{"pid": 1, "user": odd, "memory": 7, "command": "x"}],
                      "leases": []}], "host": {"hostname": "h"}}
     text = render_metrics(doc)
-    assert values(text, "devicekit_user_gpu_memory_bytes") == {(("user", odd),): 7}
+    shown = odd.replace("\n", "\\x0a")
+    assert values(text, "devicekit_user_gpu_memory_bytes") == {(("user", shown),): 7}
     (labels,) = values(text, "devicekit_gpu_memory_used_bytes")
     assert dict(labels)["name"] == 'GPU "x"'
 

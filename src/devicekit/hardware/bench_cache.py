@@ -3,8 +3,10 @@
 One JSON file per device under ``$DEVICEKIT_BENCH_CACHE`` (default
 ``$XDG_CACHE_HOME/devicekit/bench``, i.e. ``~/.cache/devicekit/bench``), named by the GPU's
 UUID (``cpu.json`` for the host), written atomically (a temporary file renamed over the old
-one), so a reader never sees half a file. A corrupt or foreign file reads as "no result"
-(the score falls back to the known-model table), never as an error in ``status``/``select``.
+one), so a reader never sees half a file. A corrupt or foreign file, or one that fails
+:class:`BenchDocument` (a speed that is not a finite number from 0 to 100,000 TFLOP/s, a name
+over 256 characters), reads as "no result" (the score falls back to the known-model table),
+never as an error in ``status``/``select``.
 
 Usage::
 
@@ -21,12 +23,28 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-__all__ = ["CACHE_ENV", "cache_dir", "read_result", "write_result"]
+import msgspec
+
+from devicekit.hardware.document_fields import BadDocument, Name, convert
+
+__all__ = ["CACHE_ENV", "BenchDocument", "cache_dir", "read_result", "write_result"]
 
 CACHE_ENV = "DEVICEKIT_BENCH_CACHE"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+#: a dtype name (``bf16``) and a speed in TFLOP/s (0 to 100,000: far above any GPU's)
+_Tflops = dict[Annotated[str, msgspec.Meta(max_length=16)], Annotated[float, msgspec.Meta(ge=0, le=1e5)]]
+
+
+class BenchDocument(msgspec.Struct):
+    """What selection and the capability score read of a cached result (other keys are kept
+    but never read by them)."""
+
+    name: Name = ""
+    matmul_tflops: Annotated[_Tflops, msgspec.Meta(max_length=32)] = {}
 
 
 def cache_dir() -> Path:
@@ -48,7 +66,8 @@ def read_result(key: str) -> dict[str, Any] | None:
 
     try:  # bounded, never blocking: the cache directory may be shared
         data = read_json(_file(key), 1024 * 1024)
-    except BadFile:
+        convert(data, BenchDocument)  # what selection reads of it, bounded
+    except (BadFile, BadDocument):
         return None
     return data if isinstance(data, dict) else None
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devicekit.jobs.private_files import create_private_file
+from devicekit.jobs.rank_files import load_rank_file, read_rank_text
 from devicekit.parallel.collective_log import FLIGHT_RECORDER_ENV, HANG_DIR_ENV, REQUEST_FILE
 
 __all__ = ["ranks_of", "HangWatch", "HangReport", "collect", "analyse", "save", "HANG_DIR_ENV",
@@ -43,27 +44,8 @@ DEFAULT_HANG_TIMEOUT = 600.0
 HANG_EXIT_CODE = 124
 #: torch Flight Recorder entries kept per rank on NCCL groups (read only when a job hangs)
 FLIGHT_RECORDER_ENTRIES = "256"
-#: the most read of any file a rank wrote
-_MAX_BYTES = 1 << 20
-
-
-def _read(path: str, limit: int = _MAX_BYTES) -> str:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(limit).decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _load(path: str) -> dict[str, Any] | None:
-    text = _read(path)
-    if not text:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
+_read = read_rank_text
+_load = load_rank_file
 
 
 def ranks_of(world: int | Sequence[int]) -> list[int]:

@@ -40,9 +40,7 @@ def complete(stack: str) -> bool:
 
 
 def read_text(path: str) -> str:
-    """The file's text (\"\" when it cannot be read: a rank that never wrote it)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return ""
+    """The file's text, at most 1 MiB (\"\" when it cannot be read: a rank that never wrote it)."""
+    from devicekit.jobs.rank_files import read_rank_text
+
+    return read_rank_text(path)

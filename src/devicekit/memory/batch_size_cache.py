@@ -1,5 +1,9 @@
 """The batch-size cache: one JSON file of ``{key: {"batch_size": n, ...}}``, written atomically.
 
+The file may be shared (``cache=``): it is read bounded (16 MiB, never blocking) and each entry
+decoded by :class:`CachedBatchSize` (a whole number from 1 to 2**31, names of at most 256
+characters); an entry that fails is no answer, so the search runs again.
+
 Usage::
 
     from devicekit.memory.batch_size_cache import read_cached, write_cached
@@ -15,11 +19,23 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from devicekit.errors import InvalidValueError
+from devicekit.hardware.document_fields import BadDocument, Name, convert
 
 __all__ = ["default_cache_file", "read_cached", "write_cached"]
+
+
+class CachedBatchSize(msgspec.Struct):
+    """One entry of the cache: a batch size found on ``device`` (None: on the CPU)."""
+
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+    device: Name | None = None
+    time: Name = ""
+    torch: Name = ""
 
 
 def default_cache_file() -> Path:
@@ -56,12 +72,16 @@ def _device_name() -> str | None:
 def read_cached(key: str, cache: str | Path | None = None) -> int | None:
     """The answer cached under ``key``, or None; an answer found on another GPU model (or on
     the CPU for a GPU now, or the reverse) does not count: it would not fit, or would waste memory."""
-    entry = _load(Path(cache) if cache is not None else default_cache_file()).get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("batch_size"), int):
-        if entry.get("device") != _device_name():
-            return None
-        return int(entry["batch_size"])
-    return None
+    raw = _load(Path(cache) if cache is not None else default_cache_file()).get(key)
+    if raw is None:
+        return None
+    try:  # one entry's schema: a foreign or broken entry is no answer, never an error
+        entry = convert(raw, CachedBatchSize)
+    except BadDocument:
+        return None
+    if entry.device != _device_name():
+        return None
+    return entry.batch_size
 
 
 def write_cached(key: str, batch_size: int, cache: str | Path | None = None) -> Path:

@@ -6,7 +6,10 @@ percent, watts, degrees Celsius, seconds since the epoch). Per-GPU gauges carry 
 ``mig``. What dcgm-exporter cannot say (its issue #109) comes from devicekit's own facts:
 leases by ``user`` and device, per-user memory and processes, and waiting jobs per user when
 the fair queue's ``queue`` section is present. Lease metrics carry the lease's ``job`` id, so
-an alert can say which job to stop. For the lab's dashboard and alerts (docs/lab/): how long
+an alert can say which job to stop (label ``job_id``: ``job`` is Prometheus's own, the scrape
+job, and a target's ``job`` label would be renamed ``exported_job``). Label values are
+escaped of control characters and cut to :data:`MAX_LABEL_CHARS`; the lists they come from are
+bounded by the status document's ceiling (:mod:`devicekit.sharing.status_ceiling`). For the lab's dashboard and alerts (docs/lab/): how long
 each leased GPU has been idle (the sampler's ``idle_since``, :mod:`~devicekit.serve.idle`),
 queue waits, free devices and lease directory trouble. Cardinality is bounded: no label per
 pid or command, users capped by :data:`devicekit.serve.people.MAX_USERS`. A value the backend
@@ -23,12 +26,14 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from devicekit.hardware.document_fields import cut
+from devicekit.hardware.printable import printable
 from devicekit.serve.idle import IDLE_BELOW, is_idle
 from devicekit.serve.people import all_leases, queue_tickets, user_totals
 
@@ -38,10 +43,14 @@ __all__ = ["render_metrics", "CONTENT_TYPE", "GPU_GAUGES", "free_devices"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GPU_LABELS = ["gpu", "uuid", "name", "hostname"]
 MIG_LABELS = ["gpu", "mig", "uuid", "name", "hostname"]
-LEASE_LABELS = ["gpu", "uuid", "user", "kind", "job"]
+#: ``job_id``, not ``job``: Prometheus owns ``job`` (the scrape job) and would rename ours
+LEASE_LABELS = ["gpu", "uuid", "user", "kind", "job_id"]
+#: the longest label value written (longer ones end in ``...``)
+MAX_LABEL_CHARS = 128
 #: warnings of a status document that say the lease directory could not be used as it should
 #: (``devicekit.sharing.machine_status.collect_status`` writes them)
-LEASE_DIRECTORY_WARNINGS = ("leases not shown:", "queue not shown:", "queue policy ")
+LEASE_DIRECTORY_WARNINGS = ("leases not shown:", "queue not shown:", "queue policy ",
+                            "lease file")
 
 #: per-GPU gauge -> (status --json key, help)
 GPU_GAUGES: dict[str, tuple[str, str]] = {
@@ -62,6 +71,20 @@ MIG_GAUGES: dict[str, tuple[str, str]] = {
     "devicekit_mig_memory_total_bytes": ("memory_total", "MIG instance memory in all, bytes."),
     "devicekit_mig_memory_free_bytes": ("memory_free", "MIG instance memory free, bytes."),
 }
+
+
+def label(value: Any) -> str:
+    """A label value: text, control characters escaped (never obeyed by a terminal that shows
+    the page), at most :data:`MAX_LABEL_CHARS` characters."""
+    return cut(printable("" if value is None else str(value)), MAX_LABEL_CHARS)
+
+
+class _Gauge(GaugeMetricFamily):
+    """A labelled gauge whose label values are escaped and cut (see :func:`label`)."""
+
+    def add_metric(self, labels: Sequence[str], value: float,  # type: ignore[override]
+                   timestamp: float | None = None) -> None:
+        super().add_metric([label(v) for v in labels], value, timestamp)
 
 
 def _number(value: Any) -> float | None:
@@ -90,7 +113,7 @@ class StatusCollector:
     def _machine(self) -> Iterator[Metric]:
         doc = self.doc
         host = str(doc.get("host", {}).get("hostname", ""))
-        info = GaugeMetricFamily(
+        info = _Gauge(
             "devicekit_info", "devicekit version, GPU backend and driver of this host; always 1.",
             labels=["version", "backend", "driver_version", "cuda_driver_version", "hostname"])
         info.add_metric([str(doc.get("devicekit_version") or ""), str(doc.get("backend") or ""),
@@ -115,26 +138,27 @@ class StatusCollector:
         host = str(self.doc.get("host", {}).get("hostname", ""))
         gpus = self.doc.get("gpus", [])
         for metric, (key, help_text) in GPU_GAUGES.items():
-            family = GaugeMetricFamily(metric, help_text, labels=GPU_LABELS)
+            family = _Gauge(metric, help_text, labels=GPU_LABELS)
             for gpu in gpus:
                 value = _number(gpu.get(key))
                 if value is not None:
                     family.add_metric(_gpu_labels(gpu, host), value)
             yield family
-        processes = GaugeMetricFamily("devicekit_gpu_processes",
+        processes = _Gauge("devicekit_gpu_processes",
                                       "Processes holding memory on the GPU.", labels=GPU_LABELS)
-        leases = GaugeMetricFamily("devicekit_gpu_leases",
+        leases = _Gauge("devicekit_gpu_leases",
                                    "devicekit leases on the GPU (its MIG instances included).",
                                    labels=GPU_LABELS)
         for gpu in gpus:
             processes.add_metric(_gpu_labels(gpu, host), len(gpu.get("processes", [])))
-            leases.add_metric(_gpu_labels(gpu, host), len(gpu.get("leases", [])))
+            leases.add_metric(_gpu_labels(gpu, host),
+                              len(gpu.get("leases", [])) + _count(gpu.get("leases_not_listed")))
         yield processes
         yield leases
 
     def _migs(self) -> Iterator[Metric]:
         host = str(self.doc.get("host", {}).get("hostname", ""))
-        families = {m: GaugeMetricFamily(m, h, labels=MIG_LABELS) for m, (_, h) in MIG_GAUGES.items()}
+        families = {m: _Gauge(m, h, labels=MIG_LABELS) for m, (_, h) in MIG_GAUGES.items()}
         for gpu in self.doc.get("gpus", []):
             for mig in gpu.get("mig_devices", []):
                 labels = [str(gpu.get("index")), str(mig.get("index")), str(mig.get("uuid")),
@@ -157,15 +181,15 @@ class StatusCollector:
             if gpu is not None and is_idle(gpu) is not None:  # utilization known: 0 when busy
                 since = _number(lease.get("idle_since"))
                 idle[key] = max(idle.get(key, 0.0), 0.0 if since is None else max(now - since, 0))
-        count = GaugeMetricFamily(
+        count = _Gauge(
             "devicekit_lease_holders",
             "devicekit leases one user holds on one device (GPU or MIG instance; gpu is empty "
             "for a device not present here); several only for shared leases.", labels=LEASE_LABELS)
-        since = GaugeMetricFamily(
+        since = _Gauge(
             "devicekit_lease_since_timestamp_seconds",
             "When the user's oldest lease on the device was taken, seconds since the epoch.",
             labels=LEASE_LABELS)
-        idle_seconds = GaugeMetricFamily(
+        idle_seconds = _Gauge(
             "devicekit_lease_idle_seconds",
             f"How long the leased GPU has been idle (utilization below {IDLE_BELOW:g}%) while "
             "the lease held it, as this server saw it; 0 while busy.", labels=LEASE_LABELS)
@@ -193,7 +217,7 @@ class StatusCollector:
              lambda r: r.waiting_gpus),
         ]
         for metric, help_text, value in gauges:
-            family = GaugeMetricFamily(metric, help_text, labels=["user"])
+            family = _Gauge(metric, help_text, labels=["user"])
             for row in rows:
                 family.add_metric([row.user], value(row))
             yield family
@@ -212,7 +236,7 @@ class StatusCollector:
         yield GaugeMetricFamily("devicekit_queue_wait_seconds",
                                 "How long the longest-waiting job has waited (0: nobody waits).",
                                 value=max(now - min(since), 0.0) if since else 0.0)
-        per_user = GaugeMetricFamily("devicekit_user_queue_wait_seconds",
+        per_user = _Gauge("devicekit_user_queue_wait_seconds",
                                      "How long the user's longest-waiting job has waited.",
                                      labels=["user"])
         for row in user_totals(self.doc):
@@ -234,6 +258,12 @@ class StatusCollector:
             "Problems with the lease directory: leases or the queue unreadable (wrong owner, "
             "a symlink, permissions), an ignored queue policy, each GPU whose lock file another "
             "user made unusable; 0 when it is fine.", value=problems)
+        yield GaugeMetricFamily(
+            "devicekit_ignored_lease_files",
+            "Live lease files whose content failed the lease schema (another user's junk or "
+            "attack): not counted as leases; /api/status lists them with owner and why.",
+            value=len(self.doc.get("ignored_leases") or [])
+            + _count(self.doc.get("ignored_leases_not_listed")))
 
 
 def free_devices(doc: dict[str, Any]) -> int:
@@ -251,6 +281,10 @@ def free_devices(doc: dict[str, Any]) -> int:
         elif not gpu.get("mig_enabled") and not gpu.get("leases") and not gpu.get("processes"):
             free += 1
     return free
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _gpu_labels(gpu: dict[str, Any], host: str) -> list[str]:

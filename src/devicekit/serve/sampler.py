@@ -102,16 +102,15 @@ class Sampler:
     def sample_once(self) -> None:
         """Take one sample now; a failure keeps the last good document and records the error."""
         old = self.snapshot
-        try:
-            doc = self._idle.annotate(self._collect())
-        except Exception as exc:  # any failure: the thread lives on and the error is shown
-            text = str(exc).splitlines()[0] if str(exc) else ""
+        try:  # collecting and building both: whatever a lease file holds, the thread lives on
+            self._snapshot = self.build(self._idle.annotate(self._collect()),
+                                        errors_total=old.errors_total)
+        except Exception as exc:  # any failure: the last good numbers stay, the error is shown
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
             message = text if isinstance(exc, DeviceKitError) and text else (
                 f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
             self._snapshot = self.build(old.status, error=message,
                                         errors_total=old.errors_total + 1, hidden=True)
-        else:
-            self._snapshot = self.build(doc, errors_total=old.errors_total)
         self.samples += 1
 
     def build(self, doc: dict[str, Any], *, error: str | None = None, errors_total: int = 0,

@@ -10,6 +10,8 @@ among tickets of equal policy priority; arrival order breaks ties.
 
 Usage is what each user's own jobs wrote, so a user could understate their own usage by editing
 their file (there is no daemon to keep the books): fair share is cooperative; quotas are not.
+A usage file is decoded by :class:`UsageDocument` (hours finite, at most a million; a time
+no later than the file's own change), so no file can make the factors infinite or NaN.
 
 Usage::
 
@@ -28,13 +30,24 @@ import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
+
+from devicekit.hardware.document_fields import BadDocument, EpochSeconds, decode
 from devicekit.sharing.lease_directory import OPEN_FLAGS, user_name
 
 __all__ = ["record_usage", "read_usage", "factors"]
 
 _PREFIX = "usage."
 _MAX = 4096
+
+
+class UsageDocument(msgspec.Struct, frozen=True):
+    """A usage file: decayed GPU-hours (at most a million) and when they were decayed."""
+
+    gpu_hours: Annotated[float, msgspec.Meta(ge=0, le=1e6)]
+    at: EpochSeconds
 
 
 def _decayed(hours: float, at: float, now: float, half_life: float) -> float:
@@ -59,14 +72,13 @@ def read_usage(directory: Path, half_life: float, now: float | None = None) -> d
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or str(info.st_uid) != uid or info.st_size > _MAX:
                 continue
-            data = json.loads(os.read(fd, _MAX + 1))
-            hours, at = float(data["gpu_hours"]), float(data["at"])
-        except (OSError, ValueError, KeyError, TypeError):
+            usage = decode(os.read(fd, _MAX + 1), UsageDocument, limit=_MAX)
+        except (OSError, BadDocument):
             continue
         finally:
             os.close(fd)
-        if hours >= 0 and hours == hours and hours != float("inf"):
-            out[user_name(info.st_uid)] = _decayed(hours, at, now, half_life)
+        at = min(usage.at, info.st_mtime)  # never fresher than the file: no decay dodged
+        out[user_name(info.st_uid)] = _decayed(usage.gpu_hours, at, now, half_life)
     return out
 
 

@@ -8,8 +8,9 @@ the owner of the file or of the process, never what a file claims.
 
 Every lease also carries a job id (``job``): ``devicekit run --name NAME``'s name, handed to
 the job's processes as ``DEVICEKIT_JOB_ID``, else one generated per process (six hex digits),
-so a person can be told which job to stop. A file's ``job`` is the writer's word: bounded here,
-shown inert by whoever prints it.
+so a person can be told which job to stop. Every field of a lease file is its writer's word:
+:mod:`~devicekit.sharing.lease_document` decodes it against one schema; a file that fails is
+left out (``ignored=`` collects it, with its owner and why), never a crash.
 
 Usage::
 
@@ -33,25 +34,39 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from devicekit.errors import InvalidValueError, LeaseError
+from devicekit.hardware.document_fields import (
+    JOB_PATTERN,
+    PID_MAX,
+    UUID_PATTERN,
+    BadDocument,
+    IgnoredFile,
+    cut,
+    decode,
+)
+from devicekit.hardware.printable import printable
 from devicekit.sharing.device_locks import BUDGET, holders, safe_name
 from devicekit.sharing.lease_directory import OPEN_FLAGS, resolve_directory, user_name
+from devicekit.sharing.lease_document import (
+    MAX_COMMAND_SHOWN,
+    MAX_LEASE_BYTES,
+    SUFFIX,
+    LeaseDocument,
+    decode_lease,
+)
 
 __all__ = ["LeaseRecord", "read_leases", "file_records", "current_command", "current_job",
-           "check_job_name", "JOB_ENV", "MAX_JOB_CHARS", "SUFFIX", "TMP_PREFIX"]
+           "check_job_name", "JOB_ENV", "MAX_JOB_CHARS", "SUFFIX", "TMP_PREFIX", "IgnoredFile"]
 
-SUFFIX = ".lease"
 TMP_PREFIX = ".tmp-"
-_MAX_RECORD = 64 * 1024  # a real record is a few hundred bytes
 #: a temporary file is locked microseconds after it is made; one this old and unlocked is debris
 _TMP_GRACE = 60.0
 #: the job id a process's leases carry (``devicekit run`` sets it for its command)
 JOB_ENV = "DEVICEKIT_JOB_ID"
 #: the longest job id kept (a name, not a command line)
 MAX_JOB_CHARS = 64
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,63}")
+_JOB_NAME = re.compile(JOB_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,8 @@ class LeaseRecord:
     user: str
     host: str
     command: str
-    #: when the lease was taken (seconds since the epoch)
+    #: when the lease was taken (seconds since the epoch); read from a lease file, its inode
+    #: change time (when it got its name), which its writer cannot set back
     since: float
     #: memory the holder asked for, in bytes (None: the whole GPU)
     memory: int | None
@@ -92,9 +108,16 @@ class LeaseRecord:
     def to_json(self) -> str:
         data = asdict(self)
         data.pop("kind")  # a lease file is always kind "lease"; the format stays what it was
+        data["command"] = cut(data["command"], MAX_COMMAND_SHOWN)  # what any reader keeps
         if data["job"] is None:
             data.pop("job")
-        return json.dumps(data, sort_keys=True)
+        text = json.dumps(data, sort_keys=True)
+        try:  # a lease every reader would ignore is refused here, naming the field
+            decode(text.encode(), LeaseDocument, limit=MAX_LEASE_BYTES)
+        except BadDocument as exc:
+            raise LeaseError(f"cannot lease GPU {printable(cut(self.gpu_uuid, 100))!r}: {exc}"
+                             ) from None
+        return text
 
 
 def _format_bytes(n: int) -> str:
@@ -129,13 +152,6 @@ def current_job() -> str:
     if _generated is None:
         _generated = os.urandom(3).hex()
     return _generated
-
-
-def _job_of(value: Any) -> str | None:
-    """A lease file's ``job``: another user's text, kept bounded (printers make it inert)."""
-    if not isinstance(value, str) or not value:
-        return None
-    return value[:MAX_JOB_CHARS]
 
 
 def current_command() -> str:
@@ -182,50 +198,55 @@ def _probe(path: Path) -> tuple[bool, os.stat_result] | None:
 def _from_name(path: Path, info: os.stat_result) -> LeaseRecord | None:
     """A record from the file name alone (``<uuid>.<pid>.<token>.lease``) for an unreadable file."""
     parts = path.name[: -len(SUFFIX)].rsplit(".", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 7 \
+            or not 1 <= int(parts[1]) <= PID_MAX or not re.fullmatch(UUID_PATTERN, parts[0]):
         return None
     return LeaseRecord(gpu_uuid=parts[0], pid=int(parts[1]), user=user_name(info.st_uid),
-                       host="", command="(unreadable lease file)", since=info.st_mtime,
+                       host="", command="(unreadable lease file)", since=info.st_ctime,
                        memory=None, share=False)
 
 
 def _read_record(path: Path, info: os.stat_result) -> LeaseRecord | None:
+    """The lease file ``path`` as a record, None when it vanished meanwhile (released), or
+    :class:`BadDocument` saying why it is ignored."""
     # O_NONBLOCK + a fresh fstat: the file's owner may have renamed a FIFO (which would block an
     # open for reading, with the directory lock held) or a huge file over it since the probe
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
     except PermissionError:  # live but unreadable: still counts, as an exclusive lease
-        return _from_name(path, info)
-    except OSError:
+        record = _from_name(path, info)
+        if record is None:
+            raise BadDocument("unreadable, and its name is no lease's") from None
+        return record
+    except FileNotFoundError:  # released since the probe
         return None
+    except OSError as exc:
+        raise BadDocument(f"cannot be opened ({exc.strerror})") from None
     try:
         now = os.fstat(fd)
-        if not stat.S_ISREG(now.st_mode) or now.st_size > _MAX_RECORD:
-            return None
-        data: Any = json.loads(os.read(fd, _MAX_RECORD + 1))
-    except (OSError, ValueError):
-        return None
+        if not stat.S_ISREG(now.st_mode):
+            raise BadDocument("not a regular file")
+        if now.st_size > MAX_LEASE_BYTES:
+            raise BadDocument(f"larger than {MAX_LEASE_BYTES} bytes")
+        data = os.read(fd, MAX_LEASE_BYTES + 1)
+    except OSError as exc:
+        raise BadDocument(f"cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
-    try:
-        memory = data.get("memory")
-        return LeaseRecord(
-            gpu_uuid=str(data["gpu_uuid"]),
-            pid=int(data["pid"]),
-            user=user_name(info.st_uid),  # the file owner, not what the file claims
-            host=str(data.get("host", "")),
-            command=str(data.get("command", "")),
-            since=float(data.get("since", info.st_mtime)),
-            memory=int(memory) if memory is not None else None,
-            share=bool(data.get("share", False)),
-            job=_job_of(data.get("job")),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+    doc = decode_lease(path.name, data)
+    return LeaseRecord(
+        gpu_uuid=doc.gpu_uuid, pid=doc.pid,
+        user=user_name(info.st_uid),  # the file owner, not what the file claims
+        host=doc.host, command=doc.command,
+        since=now.st_ctime,  # when it got its name, which no plain user can set back
+        memory=doc.memory, share=doc.share, job=doc.job)
 
 
-def file_records(path: Path, *, cleanup: bool = False) -> list[LeaseRecord]:
-    """The live lease files of the (checked) directory ``path``, oldest first.
+def file_records(path: Path, *, cleanup: bool = False,
+                 ignored: list[IgnoredFile] | None = None) -> list[LeaseRecord]:
+    """The live lease files of the (checked) directory ``path``, oldest first; live files that
+    fail :class:`~devicekit.sharing.lease_document.LeaseDocument` are left out and, when
+    ``ignored`` is a list, added to it with their owner and why.
 
     ``cleanup=True`` also deletes stale lease files (holder gone) and temporary files left by a
     writer that died, where this user may delete them. Safe at any time: a lease file is locked
@@ -248,7 +269,13 @@ def file_records(path: Path, *, cleanup: bool = False) -> list[LeaseRecord]:
             continue
         if is_tmp:
             continue
-        record = _read_record(file, info)
+        try:
+            record = _read_record(file, info)
+        except BadDocument as exc:
+            if ignored is not None:
+                ignored.append(IgnoredFile(printable(cut(name, 120)), user_name(info.st_uid),
+                                           str(exc)))
+            continue
         if record is not None:
             records.append(_live(record, info))
     records.sort(key=lambda r: (r.since, r.gpu_uuid))
@@ -288,13 +315,15 @@ def lock_records(path: Path, covered: set[str]) -> list[LeaseRecord]:
 
 
 def read_leases(directory: str | os.PathLike[str] | None = None, *,
-                cleanup: bool = False) -> list[LeaseRecord]:
+                cleanup: bool = False, ignored: list[IgnoredFile] | None = None
+                ) -> list[LeaseRecord]:
     """Every live lease in the lease directory, oldest first: lease files, then bare lock holders.
 
-    ``cleanup=True`` also deletes stale files (see :func:`file_records`).
+    ``cleanup=True`` also deletes stale files (see :func:`file_records`); ``ignored`` (a list)
+    receives the live lease files that were not trusted, and why.
     """
     path = resolve_directory(directory)
-    records = file_records(path, cleanup=cleanup)
+    records = file_records(path, cleanup=cleanup, ignored=ignored)
     records += lock_records(path, {r.gpu_uuid for r in records})
     records.sort(key=lambda r: (r.since, r.gpu_uuid))
     return records

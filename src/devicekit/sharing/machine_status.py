@@ -11,6 +11,10 @@ Usage::
     report = collect_status()
     print(report.backend, len(report.gpus), report.warnings)
     doc = report.to_dict()          # {"schema": 1, "host": {...}, "gpus": [...], ...}
+
+Whatever other users wrote reaches the document bounded: each lease's fields by its schema
+(:mod:`~devicekit.sharing.lease_document`), the lists by :mod:`~devicekit.sharing.status_ceiling`
+(at most 32 leases per device, the rest counted), so the document has a ceiling.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from devicekit.errors import LeaseError
+from devicekit.hardware.document_fields import IgnoredFile
 from devicekit.hardware.gpu import GPU
 from devicekit.hardware.host import Host
+from devicekit.sharing.status_ceiling import (
+    MAX_IGNORED_LISTED,
+    MAX_QUEUE_LISTED,
+    ceiling_warnings,
+    ignored_warnings,
+    listed,
+)
 
 if TYPE_CHECKING:
     from devicekit.sharing.leases import LeaseRecord
@@ -55,6 +67,8 @@ class StatusReport:
     stopped: Mapping[int, float] = field(default_factory=dict)
     #: the fair queue's waiting tickets (``devicekit queue --json``'s entries), in queue order
     queue: tuple[QueueEntryDoc, ...] = ()
+    #: live lease files that failed their schema: not counted as leases, shown with their owner
+    ignored_leases: tuple[IgnoredFile, ...] = ()
 
     def leases_for(self, gpu: GPU) -> list[LeaseRecord]:
         """Live leases on ``gpu`` (its own UUID or one of its MIG instances)."""
@@ -70,14 +84,14 @@ class StatusReport:
         for gpu, cap in zip(self.gpus, capabilities(self.gpus), strict=True):
             entry = gpu.to_dict()
             entry["capability"] = {"score": round(cap.score, 1), "source": cap.source}
+            held = by_gpu.get(gpu.uuid, [])
             for mig, mig_entry in zip(gpu.mig_devices, entry["mig_devices"], strict=True):
                 mig_entry["memory_free"] = mig.memory_free
-                mig_entry["leases"] = [_lease_dict(r) for r in by_gpu.get(gpu.uuid, [])
-                                       if r.gpu_uuid == mig.uuid]
-            entry["leases"] = [_lease_dict(r, self.stopped) for r in by_gpu.get(gpu.uuid, [])]
+                listed(mig_entry, "leases", [_lease_dict(r) for r in held if r.gpu_uuid == mig.uuid])
+            listed(entry, "leases", [_lease_dict(r, self.stopped) for r in held])
             entry["blocked"] = self.blocked.get(gpu.uuid)
             gpus.append(entry)
-        return {
+        doc: dict[str, Any] = {
             "schema": SCHEMA_VERSION,
             "devicekit_version": __version__,
             "taken_at": self.taken_at,
@@ -90,6 +104,14 @@ class StatusReport:
             "warnings": list(self.warnings),
             **({"queue": list(self.queue)} if self.queue else {}),  # only while tickets wait
         }
+        # the ceiling: lists other users can grow are cut, the rest counted
+        listed(doc, "other_leases", doc["other_leases"])
+        doc["warnings"] = ceiling_warnings(doc["warnings"])
+        listed(doc, "ignored_leases", [{"file": i.name, "user": i.user, "why": i.why}
+                                       for i in self.ignored_leases], limit=MAX_IGNORED_LISTED)
+        if "queue" in doc:
+            listed(doc, "queue", doc["queue"], limit=MAX_QUEUE_LISTED)
+        return doc
 
 
 def _lease_dict(record: LeaseRecord, stopped: Mapping[int, float] | None = None) -> dict[str, Any]:
@@ -154,15 +176,17 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
             warnings.append(hidden)  # GPUs that look unused may be used from outside
     leases: tuple[LeaseRecord, ...] = ()
     tickets: Any = None
+    ignored: list[IgnoredFile] = []
     if include_leases and _lease_dir_exists():  # a read-only look: never create the directory
         from devicekit.sharing.lease_directory import lease_dir
         from devicekit.sharing.queue_state import read_moment
 
         try:  # leases and queue tickets as they were at one moment
-            got, tickets = read_moment(lease_dir())
+            got, tickets = read_moment(lease_dir(), ignored)
             leases = tuple(got)
         except LeaseError as exc:
             warnings.append(f"leases not shown: {exc}")
+        warnings.extend(ignored_warnings(ignored))
     blocked, stopped = _lease_trouble(gpus, leases, warnings) if include_leases else ({}, {})
     queue: tuple[QueueEntryDoc, ...] = ()
     if include_leases and not any(w.startswith("leases not shown") for w in warnings) \
@@ -185,6 +209,7 @@ def collect_status(*, include_leases: bool = True) -> StatusReport:
         blocked=blocked,
         stopped=stopped,
         queue=queue,
+        ignored_leases=tuple(ignored),
     )
 
 

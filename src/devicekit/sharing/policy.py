@@ -2,8 +2,11 @@
 
 Honoured only when owned by root or by the lease directory's owner and writable by nobody else
 (any user can create files in the shared directory; a policy anyone could write would be
-anyone's). Otherwise, or when malformed, the queue runs without a policy and ``note`` says why
-(``devicekit queue`` shows it). At most 64 KiB, parsed as TOML data only.
+anyone's). Otherwise, or when it fails its schema (:class:`PolicyDocument`: every key known,
+counts whole numbers up to 4,096, priorities and weights finite and bounded, durations with a
+unit and at most a year, user names as ``useradd`` takes them), the queue runs without a
+policy and ``note`` says why (``devicekit queue`` shows it). At most 64 KiB, parsed as TOML
+data only.
 
 ::
 
@@ -28,17 +31,20 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from devicekit.errors import InvalidValueError
+from devicekit.hardware.document_fields import MAX_COUNT, BadDocument, convert
 from devicekit.sharing.lease_directory import OPEN_FLAGS, user_name
 
-__all__ = ["Policy", "load_policy", "parse_duration", "POLICY_NAME", "DEFAULT_GRACE"]
+__all__ = ["Policy", "PolicyDocument", "load_policy", "parse_duration", "POLICY_NAME",
+           "DEFAULT_GRACE"]
 
 POLICY_NAME = "policy.toml"
 #: seconds between SIGTERM and SIGKILL when a time limit is reached (policy: time_limit_grace)
@@ -130,54 +136,65 @@ def load_policy(directory: Path) -> Policy:
         return Policy(note=f"{path} ignored: {str(exc).splitlines()[0][:200]}")
 
 
+#: a user's name as a policy table key: what useradd accepts, and a uid
+_UserName = Annotated[str, msgspec.Meta(pattern=r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}\$?\Z")]
+#: a duration as written: ``"4h"``, ``"30s"``, ``"1:30:00"`` (a bare number is refused below)
+_Duration = Annotated[str, msgspec.Meta(max_length=32)] | float
+_GpuCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+#: the longest duration a policy may set (a year)
+_MAX_DURATION = 366 * 86400.0
+
+
+class UserPolicy(msgspec.Struct, forbid_unknown_fields=True):
+    """``[users.NAME]``: the user's own quota and priority."""
+
+    max_gpus: _GpuCount | None = None
+    priority: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] | None = None
+
+
+class PolicyDocument(msgspec.Struct, forbid_unknown_fields=True):
+    """What ``policy.toml`` may say: every key known and bounded."""
+
+    max_gpus_per_user: _GpuCount | None = None
+    default_time_limit: _Duration | None = None
+    time_limit_grace: _Duration | None = None
+    fair_share_half_life: _Duration | None = None
+    fair_share_weight: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 10.0
+    users: Annotated[dict[_UserName, UserPolicy], msgspec.Meta(max_length=10_000)] = {}
+
+
+def _duration(value: str | float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    seconds = parse_duration(value, name=name)
+    if seconds > _MAX_DURATION:
+        raise ValueError(f"{name} {value!r} is longer than a year")
+    return seconds
+
+
 def _parse(text: str, path: str) -> Policy:
     try:
         import tomllib
     except ImportError:  # python 3.10: pyproject installs tomli there
         import tomli as tomllib  # type: ignore[no-redef]
 
-    data = tomllib.loads(text)
-    known = {"max_gpus_per_user", "default_time_limit", "time_limit_grace", "users",
-             "fair_share_half_life", "fair_share_weight"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    limits: dict[str, int] = {}
-    priorities: dict[str, float] = {}
-    users = data.get("users", {})
-    if not isinstance(users, dict):
-        raise ValueError("[users] must be a table of users")
-    for user, entry in users.items():
-        if not isinstance(entry, dict) or set(entry) - {"max_gpus", "priority"}:
-            raise ValueError(f"[users.{user}] may set only max_gpus and priority")
-        if "max_gpus" in entry:
-            limits[str(user)] = _count(entry["max_gpus"], f"users.{user}.max_gpus")
-        if "priority" in entry:
-            value = entry["priority"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                raise ValueError(f"users.{user}.priority {value!r} must be a finite number")
-            priorities[str(user)] = float(value)
-    quota = data.get("max_gpus_per_user")
-    limit = data.get("default_time_limit")
-    grace = data.get("time_limit_grace")
-    half_life = data.get("fair_share_half_life")
-    weight = data.get("fair_share_weight", 10.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-            or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"fair_share_weight {weight!r} must be a finite number >= 0")
+    return policy_from_data(tomllib.loads(text), path)
+
+
+def policy_from_data(data: Any, path: str = "") -> Policy:
+    """The parsed TOML ``data`` as a :class:`Policy`, or ValueError / InvalidValueError why."""
+    try:
+        doc = convert(data, PolicyDocument)
+    except BadDocument as exc:
+        raise ValueError(str(exc)) from None
+    grace = _duration(doc.time_limit_grace, "time_limit_grace")
     return Policy(
-        max_gpus_per_user=_count(quota, "max_gpus_per_user") if quota is not None else None,
-        default_time_limit=parse_duration(limit, name="default_time_limit") if limit is not None else None,
-        time_limit_grace=parse_duration(grace, name="time_limit_grace") if grace is not None else DEFAULT_GRACE,
-        user_limits=limits, priorities=priorities, path=path,
-        fair_share_half_life=(parse_duration(half_life, name="fair_share_half_life")
-                              if half_life is not None else None),
-        fair_share_weight=float(weight),
+        max_gpus_per_user=doc.max_gpus_per_user,
+        default_time_limit=_duration(doc.default_time_limit, "default_time_limit"),
+        time_limit_grace=DEFAULT_GRACE if grace is None else grace,
+        user_limits={u: e.max_gpus for u, e in doc.users.items() if e.max_gpus is not None},
+        priorities={u: float(e.priority) for u, e in doc.users.items() if e.priority is not None},
+        path=path,
+        fair_share_half_life=_duration(doc.fair_share_half_life, "fair_share_half_life"),
+        fair_share_weight=float(doc.fair_share_weight),
     )
-
-
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} {value!r} must be a whole number >= 0")
-    return value

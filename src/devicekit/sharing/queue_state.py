@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from devicekit.hardware.document_fields import IgnoredFile
 from devicekit.hardware.gpu import GPU
 from devicekit.sharing.lease_records import LeaseRecord
 from devicekit.sharing.policy import Policy, load_policy
@@ -181,7 +182,8 @@ def look(directory: Path, devices: Sequence[GPU], leases: Sequence[LeaseRecord],
 _MOMENT_TRIES = 5
 
 
-def read_moment(directory: Path) -> tuple[list[LeaseRecord], TicketFiles]:
+def read_moment(directory: Path, ignored: list[IgnoredFile] | None = None
+                ) -> tuple[list[LeaseRecord], TicketFiles]:
     """The live leases and tickets of ``directory`` as they were at one moment.
 
     Reading leases and then tickets can mix two moments (a job shown waiting whose lease was
@@ -189,12 +191,15 @@ def read_moment(directory: Path) -> tuple[list[LeaseRecord], TicketFiles]:
     changes with every lease or ticket taken, released or rewritten (each is a file created,
     renamed or removed), so the look is repeated until it did not change while being read.
     After a few busy tries the last look is returned as it is. Nothing is cleaned up here.
+    ``ignored`` (a list) receives the live lease files of that look that were not trusted.
     """
     from devicekit.sharing.lease_records import read_leases
 
     for _ in range(_MOMENT_TRIES):
         before = _changed_ns(directory)
-        leases = read_leases(directory)
+        if ignored is not None:
+            ignored.clear()
+        leases = read_leases(directory, ignored=ignored)
         files = read_ticket_files(directory, cleanup=False)
         if before is not None and _changed_ns(directory) == before:
             break

@@ -79,7 +79,8 @@ def stopped_since(directory: Path, holder: int, owner_uid: int | None = None) ->
     """When ``holder``'s job stopped (from its marker, else now), or None when it is not stopped.
 
     The marker counts only when it is a small regular file owned by ``owner_uid`` (the lease
-    file's owner): another user cannot forge the time.
+    file's owner): another user cannot forge the time, and its owner cannot either (the time is
+    the file's change time, not its content).
     """
     if not job_stopped(holder):
         return None
@@ -93,12 +94,13 @@ def stopped_since(directory: Path, holder: int, owner_uid: int | None = None) ->
         if (not stat.S_ISREG(info.st_mode) or info.st_size > _MARKER_MAX
                 or (owner_uid is not None and info.st_uid != owner_uid)):
             return time.time()
-        when = float(os.read(fd, _MARKER_MAX).decode("ascii").strip())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except OSError:
         return time.time()
     finally:
         os.close(fd)
-    return min(when, time.time())
+    # when the marker was made (it is made once, O_EXCL): its change time, which its owner
+    # cannot set; never the text in it (a "nan" or "1e300" there crashed everyone's status)
+    return min(info.st_ctime, time.time())
 
 
 class StopMarker:

@@ -7,12 +7,13 @@ the file's owner, never what the file says; a ticket is at most 64 KiB and read 
 (JSON, never unpickled). A waiter whose ticket file was removed (``devicekit queue cancel``: the
 sticky directory lets only its owner or root remove it) stops waiting.
 
-A ticket's place comes from what its owner cannot rewrite: the file's inode change time
+A ticket's place and age come from what its owner cannot rewrite: the file's inode change time
 (``st_ctime``), which no plain user can set back (any rename or write moves it to now, so
 rewriting a ticket can only move it to the back). Its number, the one in its *file name* (one
 more than every ticket present when it joined), is a label for ``devicekit queue cancel``: a
-second live ticket with a number already taken, a JSON that contradicts its name, or malformed
-values (``count`` of ``1e999``, a negative or infinite limit) make a ticket *ignored*: it never
+second live ticket with a number already taken, a JSON that contradicts its name, or values
+outside :class:`TicketDocument`'s bounds (``count`` of ``1e999``, a negative or infinite
+limit, ``since`` of ``1e300``) make a ticket *ignored*: it never
 crashes a reader and never takes another ticket's row; :func:`read_ticket_files` says which and
 why (``devicekit queue`` shows them). Numbering needs no lock another user could hold: two
 tickets that picked the same number in the same instant are told apart by their change time,
@@ -37,19 +38,34 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from devicekit.errors import LeaseError
+import msgspec
+
+from devicekit.errors import InvalidValueError, LeaseError
+from devicekit.hardware.document_fields import (
+    MAX_COUNT,
+    BadDocument,
+    ByteCount,
+    Count,
+    EpochSeconds,
+    GpuUuid,
+    IgnoredFile,
+    Percent,
+    Pid,
+    Text,
+    cut,
+    decode,
+)
 from devicekit.sharing.lease_directory import OPEN_FLAGS, user_name, write_locked
 
 __all__ = ["Ticket", "TicketRecord", "IgnoredTicket", "TicketFiles", "read_tickets",
-           "read_ticket_files", "cancel_ticket", "SUFFIX"]
+           "read_ticket_files", "cancel_ticket", "SUFFIX", "TicketDocument"]
 
 SUFFIX = ".ticket"
 _PREFIX = "q."
@@ -57,8 +73,10 @@ _MAX_TICKET = 64 * 1024
 #: ticket numbers above this are not numbers devicekit gives (a renamed file): ignored; past
 #: it, a new ticket takes the smallest free number instead
 _MAX_SEQ = 10**9
-#: GPUs one ticket may ask for, and GPU uuids it may list
-_MAX_COUNT = 4096
+#: characters of a ticket's command and filters that readers keep
+_KEPT = 200
+#: the longest time limit a ticket may declare (ten years)
+_MAX_LIMIT = 10 * 366 * 86400.0
 #: attempts at a number of one's own when others joined in the same instant
 _NUMBERING_TRIES = 20
 
@@ -81,7 +99,7 @@ class TicketRecord:
     max_util: float | None
     #: the filters in words (``--min-free 40GiB --exclude 3``), for ``devicekit queue``
     filters: str
-    #: wall-clock time it was taken (display only)
+    #: when it joined (the file's change time, seconds since the epoch), never its own word
     since: float
     #: declared time limit in seconds (None: none)
     time_limit: float | None
@@ -135,6 +153,9 @@ class Ticket:
         seq = _next_seq(directory)
         data = {"version": 1, "seq": seq, "pid": os.getpid(), "host": os.uname().nodename,
                 "since": time.time(), "state": "waiting", **fields}
+        for key in ("command", "filters"):  # at most what a reader keeps
+            if isinstance(data.get(key), str):
+                data[key] = cut(data[key], _KEPT)
         token = os.urandom(4).hex()
         path = directory / _name(seq, token)
         fd = _write_locked(directory, path, data)
@@ -180,9 +201,13 @@ class Ticket:
         """The time limit the queue reads for this ticket now (its file may have been rewritten
         by its owner): what the job must be held to, since the queue planned with it."""
         got = _read_live(self.path)
-        if got is None or got[2] is None:
-            return _limit(self.data.get("time_limit"))
-        return _limit(got[2].get("time_limit")) if isinstance(got[2], dict) else None
+        if got is None or got[2] is None:  # our own data, as we wrote it
+            limit = self.data.get("time_limit")
+            return None if limit is None else float(limit)
+        try:
+            return decode(got[2], TicketDocument, limit=_MAX_TICKET).time_limit
+        except BadDocument:
+            return None
 
     def update(self, **changes: Any) -> None:
         """Rewrite the ticket (atomically, still locked) with ``changes``."""
@@ -255,17 +280,20 @@ def _overtaken(directory: Path, path: Path, seq: int, ctime_ns: int) -> bool:
 
 
 def _write_locked(directory: Path, final: Path, data: dict[str, Any]) -> int:
-    """Write ``data`` as the ticket ``final``, locked; the locked fd (held while waiting)."""
-    return write_locked(directory, final, json.dumps(data, sort_keys=True).encode(), "a queue ticket")
+    """Write ``data`` as the ticket ``final``, locked; the locked fd (held while waiting).
+
+    A ticket every reader would ignore (its waiter would wait unseen) is refused instead, in
+    one line naming the bad field."""
+    body = json.dumps(data, sort_keys=True).encode()
+    try:
+        decode(body, TicketDocument, limit=_MAX_TICKET)
+    except BadDocument as exc:
+        raise InvalidValueError(f"cannot join the GPU queue with this request: {exc}") from None
+    return write_locked(directory, final, body, "a queue ticket")
 
 
-@dataclass(frozen=True)
-class IgnoredTicket:
-    """A live ticket file the queue does not trust, and why (shown by ``devicekit queue``)."""
-
-    name: str
-    user: str
-    why: str
+#: a live ticket file the queue does not trust, and why (shown by ``devicekit queue``)
+IgnoredTicket = IgnoredFile
 
 
 @dataclass(frozen=True)
@@ -323,7 +351,7 @@ def _in_order(found: list[TicketRecord], ignored: list[IgnoredTicket]) -> Ticket
     return TicketFiles(tuple(trusted), tuple(ignored))
 
 
-def _read_live(path: Path) -> tuple[bool, os.stat_result, Any] | None:
+def _read_live(path: Path) -> tuple[bool, os.stat_result, bytes | None] | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
     except OSError as exc:
@@ -342,80 +370,58 @@ def _read_live(path: Path) -> tuple[bool, os.stat_result, Any] | None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             return False, info, None
         try:
-            data = json.loads(os.read(fd, _MAX_TICKET + 1))
-        except (OSError, ValueError):
+            data = os.read(fd, _MAX_TICKET + 1)
+        except OSError:
             return None
         return live, info, data
     finally:
         os.close(fd)
 
 
-def _limit(value: Any) -> float | None:
-    """A time limit from a ticket: None, or a finite number of seconds > 0 (else ValueError)."""
-    if value is None:
-        return None
-    return _number(value, "time_limit", low=0.0, inclusive=False)
+class TicketDocument(msgspec.Struct, frozen=True):
+    """What a ticket file may say: every field bounded (unknown keys are skipped; the user is
+    the file's owner and the ticket's age its change time, never the document's word)."""
+
+    seq: Annotated[int, msgspec.Meta(ge=1, le=_MAX_SEQ)]
+    pid: Pid
+    count: Count
+    host: Annotated[str, msgspec.Meta(max_length=255)] = ""
+    command: Text = ""
+    state: Literal["waiting", "running"] = "waiting"
+    candidates: Annotated[list[GpuUuid], msgspec.Meta(max_length=MAX_COUNT)] = []
+    gpus: Annotated[list[GpuUuid], msgspec.Meta(max_length=MAX_COUNT)] = []
+    min_free: ByteCount | None = None
+    max_util: Percent | None = None
+    filters: Text = ""
+    since: EpochSeconds | None = None
+    time_limit: Annotated[float, msgspec.Meta(gt=0, le=_MAX_LIMIT)] | None = None
+    grace: Annotated[float, msgspec.Meta(ge=0, le=86400.0 * 365)] = 0.0
+    #: a running job's monotonic end (seconds since boot: a limit after years of uptime)
+    ends: Annotated[float, msgspec.Meta(ge=0, le=100 * 366 * 86400.0)] | None = None
 
 
-def _number(value: Any, key: str, *, low: float = 0.0, high: float = math.inf,
-            inclusive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key} {str(value)[:40]!r} is not a number")
-    number = float(value)
-    if not math.isfinite(number) or number < low or (not inclusive and number == low) \
-            or number > high:
-        raise ValueError(f"{key} {str(value)[:40]} is out of range")
-    return number
-
-
-def _whole(value: Any, key: str, *, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{key} {str(value)[:40]!r} is not a whole number from {low} to {high}")
-    return value
-
-
-def _uuids(value: Any, key: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or len(value) > _MAX_COUNT:
-        raise ValueError(f"{key} is not a list of GPUs")
-    return tuple(str(u)[:200] for u in value)
-
-
-def _record(path: Path, info: os.stat_result, data: Any) -> tuple[TicketRecord | None, str]:
+def _record(path: Path, info: os.stat_result, data: bytes) -> tuple[TicketRecord | None, str]:
     """The ticket ``data`` (its file ``path``) as a record, or None and why it is not trusted."""
     try:
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
+        doc = decode(data, TicketDocument, limit=_MAX_TICKET)
         seq = _seq_of(path.name)
         if not seq:
-            raise ValueError("its name carries no ticket number")
-        if data.get("seq") != seq:
-            raise ValueError(f"its JSON says ticket {str(data.get('seq'))[:20]} but its name {seq}")
-        pid = _whole(data.get("pid"), "pid", low=1, high=2**31)
-        if _pid_of(path.name) != pid:
-            raise ValueError(f"its JSON says pid {pid} but its name does not")
-        state = data.get("state", "waiting")
-        if state not in ("waiting", "running"):
-            raise ValueError(f"state {str(state)[:20]!r} is neither waiting nor running")
-        min_free = data.get("min_free")
-        max_util = data.get("max_util")
-        ends = data.get("ends")
-        return TicketRecord(
-            ticket=str(seq), seq=seq, user=user_name(info.st_uid), pid=pid,
-            host=str(data.get("host", ""))[:200], command=str(data.get("command", ""))[:200],
-            count=_whole(data.get("count"), "count", low=1, high=_MAX_COUNT),
-            candidates=_uuids(data.get("candidates", []), "candidates"),
-            min_free=None if min_free is None else _whole(min_free, "min_free", low=0, high=2**62),
-            max_util=None if max_util is None else _number(max_util, "max_util", high=100.0),
-            filters=str(data.get("filters", ""))[:200],
-            since=_number(data.get("since", info.st_mtime), "since"),
-            time_limit=_limit(data.get("time_limit")),
-            grace=_number(data.get("grace", 0.0), "grace", high=86400.0 * 365),
-            state=state, gpus=_uuids(data.get("gpus", []), "gpus"),
-            ends=None if ends is None else _number(ends, "ends"),
-            path=str(path), joined_ns=info.st_ctime_ns,
-        ), ""
-    except (TypeError, ValueError, OverflowError) as exc:
-        return None, f"malformed: {str(exc)[:120]}"
+            raise BadDocument("its name carries no ticket number")
+        if doc.seq != seq:
+            raise BadDocument(f"its JSON says ticket {doc.seq} but its name {seq}")
+        if _pid_of(path.name) != doc.pid:
+            raise BadDocument(f"its JSON says pid {doc.pid} but its name does not")
+    except BadDocument as exc:
+        return None, f"malformed: {exc}"
+    return TicketRecord(
+        ticket=str(seq), seq=seq, user=user_name(info.st_uid), pid=doc.pid,
+        host=cut(doc.host, _KEPT), command=cut(doc.command, _KEPT), count=doc.count,
+        candidates=tuple(doc.candidates), min_free=doc.min_free, max_util=doc.max_util,
+        filters=cut(doc.filters, _KEPT),
+        since=info.st_ctime_ns / 1e9,  # when it joined: its owner cannot set this back
+        time_limit=doc.time_limit, grace=doc.grace, state=doc.state, gpus=tuple(doc.gpus),
+        ends=doc.ends, path=str(path), joined_ns=info.st_ctime_ns,
+    ), ""
 
 
 def cancel_ticket(directory: Path, ticket: str) -> TicketRecord:
@@ -423,8 +429,6 @@ def cancel_ticket(directory: Path, ticket: str) -> TicketRecord:
 
     Raises :class:`LeaseError` naming the ticket when there is none, it runs, or it is not yours.
     """
-    from devicekit.errors import InvalidValueError
-
     text = str(ticket).strip()
     if not text.isdigit():
         raise InvalidValueError(f"ticket {ticket!r} is not a ticket number (see 'devicekit queue')")
