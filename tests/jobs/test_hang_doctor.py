@@ -8,6 +8,7 @@ timeout + 15 s of it (start-up time, which a loaded machine stretches, is not co
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import stat
 import subprocess
@@ -133,6 +134,32 @@ def test_launch_names_the_stuck_rank_and_its_line(tmp_path: Path, no_leftover_ch
     assert f"test_hang_doctor.py:{LINE_STUCK + 1}" in err.report  # the all_reduce rank 0 waits in
     assert f"rank 1: not in a collective; now at test_hang_doctor.py:{LINE_STUCK} in stuck_before_fourth" in err.report
     assert err.report.splitlines()[-1].startswith("dk.launch: look at rank 1: it never reached all_reduce seq 4")
+
+
+@pytest.mark.parametrize("folder", ["devicekit", "torch"])
+def test_a_user_project_in_a_folder_named_like_a_library_is_still_the_users_code(
+        folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leftover_children: None) -> None:
+    """A clone's folder is named ``devicekit`` (or a project lives in one named ``torch``): the
+    advice line still names the user's line, not a multiprocessing frame (issue 46, item 1)."""
+    project = tmp_path / folder
+    project.mkdir()
+    module = f"stuck_job_in_{folder}"
+    source = ("import time\nfrom pathlib import Path\n\n\n" + inspect.getsource(mark_hang) + "\n\n"
+              + inspect.getsource(stuck_before_fourth))
+    (project / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(project))  # the spawned ranks get the parent's sys.path
+    job = importlib.import_module(module)
+    line = job.stuck_before_fourth.__code__.co_firstlineno + LINE_STUCK - stuck_before_fourth.__code__.co_firstlineno
+    mark = tmp_path / "hang-began"
+    try:
+        with pytest.raises(dk.RankHangError) as info:
+            dk.launch(job.stuck_before_fourth, 1, str(mark), nprocs=2, devices="cpu", hang_timeout=HANG_TIMEOUT)
+    finally:
+        sys.modules.pop(module, None)
+    report = info.value.report
+    assert f"rank 1: not in a collective; now at {module}.py:{line} in stuck_before_fourth" in report
+    assert report.splitlines()[-1].startswith("dk.launch: look at rank 1: it never reached all_reduce seq 4")
+    assert f"is at {module}.py:{line} in stuck_before_fourth" in report.splitlines()[-1], report
 
 
 def test_launch_names_the_rank_that_skipped_a_collective(tmp_path: Path, no_leftover_children: None) -> None:
