@@ -66,7 +66,7 @@ def test_an_optimizers_state_keeps_its_size_while_it_holds_the_same_tensors() ->
         for _ in range(6):
             train(model, opt)
             ld.step()
-            cached.append("opt.state" in ld._big)  # noqa: SLF001 - the cache under test
+            cached.append(ld._sizes.cached("opt.state"))  # noqa: SLF001 - the cache under test
     assert cached[-1] and ld.report().ok, (cached, str(ld.report()))
 
 
