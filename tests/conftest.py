@@ -67,6 +67,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["DEVICEKIT_LEASE_DIR"] = str(scratch / "leases")
     os.environ["DEVICEKIT_BENCH_CACHE"] = str(scratch / "bench-cache")
     os.environ["XDG_CACHE_HOME"] = str(scratch / "cache")
+    # a command's status line shows after a phase lasted 2 s, which a loaded machine makes any
+    # phase do: off for the suite (in subprocesses too); the tests of it set a short threshold
+    os.environ["DEVICEKIT_STATUS_AFTER"] = "3600"
     config._devicekit_scratch = scratch  # type: ignore[attr-defined]
 
 
