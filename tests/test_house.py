@@ -230,3 +230,13 @@ def test_new_paths_do_not_warn() -> None:
         for new in OLD_PATHS.values():
             importlib.import_module(new)
         importlib.import_module("devicekit.memory.utilization")
+
+
+#: the house's file size: one concept a file (issue 46, item 6: detector.py had grown to 455)
+MAX_LINES = 450
+
+
+def test_no_source_file_is_over_the_house_size() -> None:
+    long = {str(path.relative_to(SRC)): n for path in SRC.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines, split where a reader would: {long}"
