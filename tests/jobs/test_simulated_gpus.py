@@ -116,9 +116,7 @@ def test_launch_plans_for_each_devices_mode(four_gpus: Path,
 LEASE_PROBE = textwrap.dedent(
     """
     import json, os
-    from devicekit.sharing.lease_directory import lease_dir
-from devicekit.sharing.leases import read_leases
-from devicekit.sharing.tickets import read_tickets
+    from devicekit.sharing.leases import read_leases
     print(json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                       "ranks": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")],
                       "leased": [r.gpu_uuid for r in read_leases()],
