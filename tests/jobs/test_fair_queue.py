@@ -241,3 +241,5 @@ def test_a_queued_run_whose_stderr_is_a_file_says_it_waits(two_gpus: Path, jobs:
     assert ": Busy: GPU 0 leased by " in first, first
     stop(blocker)
     assert proc.wait(timeout=120) == 0
+    # it polled on until the GPU freed; nothing changed and 30 s did not pass: nothing more said
+    assert [line for line in log.read_text().splitlines() if "waiting" in line] == [first]

@@ -74,21 +74,22 @@ class WaitDisplay:
         if self.terminal:
             self._live(candidates, remaining)
             return
-        blocked = _first_blocked(candidates)
+        # with a ticket, the queue's own reason (the candidates' lines were judged before it joined)
+        place = _place(ticket, look)
+        reason = place[2] if place is not None else _first_blocked(candidates)
         now = time.monotonic()
-        changed = blocked != self._last_reason
+        changed = reason != self._last_reason
         if self._last_line is not None and not changed and now - self._last_line < self.every:
             return
         first = self._last_line is None
-        self._last_line, self._last_reason = now, blocked
-        self.stream.write(self.plain_line(candidates, remaining, ticket, look, first=first) + "\n")
+        self._last_line, self._last_reason = now, reason
+        self.stream.write(self.plain_line(candidates, remaining, ticket, place, first=first) + "\n")
         self.stream.flush()
 
-    def plain_line(self, candidates: Sequence[_Judged], remaining: float, ticket: Any, look: Any,
-                   *, first: bool) -> str:
-        """One line for a log: the ticket, its place, the time, and why it waits."""
+    def plain_line(self, candidates: Sequence[_Judged], remaining: float, ticket: Any,
+                   place: tuple[int, int, str] | None, *, first: bool) -> str:
+        """One line for a log: the ticket, its place in the queue, the time, and why it waits."""
         asked = "every eligible GPU" if self.count is None else f"{self.count} GPU(s)"
-        place = _place(ticket, look)
         waited = time.monotonic() - self._started
         if place is not None:
             position, total, reason = place
