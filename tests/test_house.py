@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import subprocess
 import sys
@@ -43,9 +44,15 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A source file parsed once per test process (the house tests each walk every file)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(name: str, path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -60,7 +67,9 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m.startswith("devicekit.")}
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports (read, never changed, by the tests below)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
@@ -100,7 +109,7 @@ def test_no_wing_imports_the_front_door() -> None:
     for name, path in _modules().items():
         if name == "devicekit" or _wing(name) == "__main__" or _floor(_wing(name)) == len(FLOORS) - 1:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "devicekit":
                 front.append(f"{name}: from devicekit import {', '.join(a.name for a in node.names)}")
             elif isinstance(node, ast.Import) and any(a.name == "devicekit" for a in node.names):
