@@ -119,13 +119,14 @@ class PhaseStatus:
                 self._shown = text
             return
         quiet = now - self._last_line
-        if text != self._shown:
+        repeat = text == self._shown
+        if not repeat:
             due = age >= self.after or quiet >= 3 * self.after  # many short phases: one now and then
         else:
             due = quiet >= self.every
         if due:
             self._shown, self._last_line = text, now
-            so_far = f" ({age:.0f} s so far)" if age >= 1 else ""
+            so_far = f" ({age:.0f} s so far)" if age >= 1 or repeat else ""
             self.stream.write(f"devicekit {self.command}: {text}{so_far}\n")
             self.stream.flush()
 
