@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint bench clean
+.PHONY: run test durations lint bench clean
 
 # the package alone: all that `make run` needs
 $(BIN)/devicekit: pyproject.toml constraints.txt
@@ -24,12 +24,18 @@ run: $(BIN)/devicekit
 	@echo "devicekit is installed in $(VENV): run $(BIN)/devicekit, or 'source $(BIN)/activate' first"
 
 # the whole suite on pytest-xdist, one worker per core but at least 4 (many tests wait on the
-# processes they start: on 2 cores 4 workers took 237 s, 2 took 274 s), the 15 slowest tests
-# listed at the end; PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
+# processes they start: on 2 cores 4 workers took 237 s, 2 took 274 s), the modules with the
+# slowest recorded tests first (tests/suite_budget.py), the 15 slowest tests and every test over
+# 5 s listed at the end; PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -lt 4 ] && n=4; echo $$n)
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+# the same run, recording each test's duration (and, for the whole suite, its count and time)
+# into tests/durations.json: the order `make test` runs modules in and the README's figures
+durations: $(VENV)/.dev
+	DEVICEKIT_RECORD_DURATIONS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks

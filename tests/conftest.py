@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.children import spawn  # noqa: F401  (a fixture for every folder)
+from tests.suite_budget import RECORD_ENV, Budget, is_whole_suite, slowest_modules_first
 
 GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "DEVICEKIT_SIMULATE", "DEVICEKIT_LEASE_DIR")
 
@@ -67,6 +68,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["DEVICEKIT_LEASE_DIR"] = str(scratch / "leases")
     os.environ["DEVICEKIT_BENCH_CACHE"] = str(scratch / "bench-cache")
     os.environ["XDG_CACHE_HOME"] = str(scratch / "cache")
+    # a command's status line shows after a phase lasted 2 s, which a loaded machine makes any
+    # phase do: off for the suite (in subprocesses too); the tests of it set a short threshold
+    os.environ["DEVICEKIT_STATUS_AFTER"] = "3600"
     config._devicekit_scratch = scratch  # type: ignore[attr-defined]
 
 
@@ -140,8 +144,10 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip cleanly where torch sees no CUDA device, and in a run that is
-    not a GPU run (``make test`` on a GPU server leaves its GPUs alone)."""
+    """Modules run slowest first (tests/suite_budget.py). Tests marked ``gpu`` skip cleanly where
+    torch sees no CUDA device, and in a run that is not a GPU run (``make test`` on a GPU server
+    leaves its GPUs alone)."""
+    slowest_modules_first(items)
     if not config._devicekit_gpu_run:  # type: ignore[attr-defined]
         has_cuda = False
         reason = f"needs a CUDA GPU and a GPU run (-m gpu, tests/gpu, or {GPU_RUN_ENV}=1)"
@@ -159,3 +165,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_budget = Budget()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _budget.whole_suite = is_whole_suite(session.config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _budget.note(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Tests over the budget, listed; with DEVICEKIT_RECORD_DURATIONS=1 the durations recorded."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    _budget.summary(terminalreporter)
+    if os.environ.get(RECORD_ENV) == "1":
+        _budget.record(workers=getattr(config.option, "numprocesses", None))
+        terminalreporter.line(f"durations recorded in tests/durations.json ({len(_budget.seconds)} tests)")

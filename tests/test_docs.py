@@ -113,3 +113,76 @@ def test_checked_console_samples_match_the_program(page, body, files, tmp_path, 
     got = (done.stdout + done.stderr).replace(str(work), "/home/me")
     got = got.replace(str(leases), "/tmp/devicekit-leases").replace(torch.__version__, "2.13.0+cpu")
     assert got.rstrip("\n").splitlines() == expected, f"{page}: sample differs from the program"
+
+
+#: how a page defines a file: a block marked <!-- file: NAME -->, or a shell redirection into it
+_DEFINES = re.compile(r"(?:cat\s*>|>)\s*(\S+?)(?:\s|$|<<)")
+_SIMULATE = re.compile(r"(?:--simulate[ =]|DEVICEKIT_SIMULATE=)(\S+)")
+
+
+def _simulate_uses() -> list[tuple[str, str, set[str]]]:
+    """(page, file named after --simulate, the files the page defines) for every use."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        defined = set()
+        uses = []
+        for m in BLOCK.finditer(text):
+            marker, kind, body = m.group(1) or "", m.group(2), m.group(3)
+            if marker.startswith("file: "):
+                defined.add(marker[len("file: "):])
+            if kind in ("bash", "console", "sh"):
+                defined.update(Path(name.strip("'\"")).name for name in _DEFINES.findall(body))
+                uses += [u.strip("'\"") for u in _SIMULATE.findall(body)]
+        out += [(page.relative_to(ROOT).as_posix(), use, defined) for use in uses
+                if not use.startswith(("$", "PATH", "FILE"))]
+    return out
+
+
+@pytest.mark.parametrize("page,name,defined", _simulate_uses())
+def test_every_simulate_example_names_a_file_the_page_defines(page, name, defined):
+    """Issue 46, item 4: cli.md's `--simulate cluster.json` named a file no page defined."""
+    assert Path(name).name in defined, f"{page}: --simulate {name}: the page never defines {name}"
+
+
+def _status_samples() -> list[tuple[str, str, str]]:
+    """(page, sample, the simulation file's text) for `devicekit --simulate F status` samples."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        files = {m.group(1)[len("file: "):]: m.group(3) for m in BLOCK.finditer(text)
+                 if m.group(1) and m.group(1).startswith("file: ")}
+        for m in BLOCK.finditer(text):
+            body = m.group(3)
+            first = body.splitlines()[0] if body.strip() else ""
+            found = re.fullmatch(r"\$ devicekit --simulate (\S+) status", first)
+            if m.group(2) == "console" and found and found.group(1) in files:
+                out.append((page.relative_to(ROOT).as_posix(), body, files[found.group(1)]))
+    return out
+
+
+def _gpu_rows(text: str) -> list[str]:
+    """The GPU table up to its Lease column (leases are the jobs', not the file's), then the
+    Processes table."""
+    lines = text.rstrip("\n").splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("GPU  Name"))
+    cut = lines[header].index("Lease")
+    end = next(i for i, line in enumerate(lines) if line.startswith(("Processes", "Leases")))
+    rows = [line[:cut].rstrip() for line in lines[header:end]]
+    if lines[end] == "Processes":
+        stop = next((i for i in range(end + 1, len(lines)) if lines[i] == "Leases"), len(lines))
+        rows += [line.rstrip() for line in lines[end:stop]]
+    return rows
+
+
+@pytest.mark.parametrize("page,sample,simulation", _status_samples())
+def test_a_status_sample_is_what_its_pages_simulation_file_prints(page, sample, simulation, tmp_path):
+    """The table cli.md printed matched neither its page's JSON nor choosing-gpus.md's."""
+    path = tmp_path / "gpus.json"
+    path.write_text(simulation)
+    env = {**os.environ, "PYTHONPATH": SRC, "DEVICEKIT_LEASE_DIR": str(tmp_path / "leases"),
+           "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "devicekit", "--simulate", str(path), "status"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert _gpu_rows(done.stdout) == _gpu_rows(sample.split("\n", 1)[1]), f"{page}: the sample's table differs"

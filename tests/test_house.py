@@ -5,6 +5,7 @@ are gone (no alias, no import hook)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import devicekit
 SRC = Path(devicekit.__file__).resolve().parent
 #: floors from the ground up; a file may import its own floor and those below
 FLOORS = [
-    {"errors", "units", "teardown", "version"},
+    {"errors", "units", "teardown", "version", "code_origin"},
     {"hardware"},
     {"sharing"},
     {"selection", "placement"},
@@ -43,9 +44,15 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A source file parsed once per test process (the house tests each walk every file)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(name: str, path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -60,7 +67,9 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m.startswith("devicekit.")}
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports (read, never changed, by the tests below)."""
     modules = _modules()
     graph = {}
     for name, path in modules.items():
@@ -100,7 +109,7 @@ def test_no_wing_imports_the_front_door() -> None:
     for name, path in _modules().items():
         if name == "devicekit" or _wing(name) == "__main__" or _floor(_wing(name)) == len(FLOORS) - 1:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "devicekit":
                 front.append(f"{name}: from devicekit import {', '.join(a.name for a in node.names)}")
             elif isinstance(node, ast.Import) and any(a.name == "devicekit" for a in node.names):
@@ -140,7 +149,7 @@ def test_no_two_files_import_each_other() -> None:
     assert not circles, f"import circles: {circles}"
 
 
-GROUND = ("errors", "units", "teardown", "version")
+GROUND = ("errors", "units", "teardown", "version", "code_origin")
 
 
 @pytest.mark.parametrize("modules,allowed", [
@@ -167,6 +176,7 @@ OLD_PATHS = (
     "devicekit.parallel.advise", "devicekit.hardware.leases", "devicekit.hardware.status",
     "devicekit.hardware.table", "devicekit.hardware.selection", "devicekit.memory.table",
     "devicekit.measure.run", "devicekit.placement.metrics", "devicekit.serve.metrics",
+    "devicekit.parallel.environments", "devicekit.hardware.slurm_job",
 )
 
 
@@ -216,3 +226,13 @@ def test_type_checkers_see_every_public_name() -> None:
             else:
                 static[alias.asname or alias.name] = f"{node.module}:{alias.name}"
     assert static == devicekit._EXPORTS
+
+
+#: the house's file size: one concept a file (issue 46, item 6: detector.py had grown to 455)
+MAX_LINES = 450
+
+
+def test_no_source_file_is_over_the_house_size() -> None:
+    long = {str(path.relative_to(SRC)): n for path in SRC.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines, split where a reader would: {long}"

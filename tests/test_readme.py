@@ -52,3 +52,42 @@ def test_make_run_installs_only_the_package_and_make_test_the_dev_tools():
     assert re.search(r"^run: \$\(BIN\)/devicekit$", makefile, re.M)
     assert re.search(r"^test: \$\(VENV\)/\.dev$", makefile, re.M)
     assert re.search(r"'\.\[dev(,\w+)*\]'", rules["$(VENV)/.dev"])  # the test tools, and the framework extras
+
+
+def _readme_figures() -> tuple[int, float]:
+    """(the test count, the minutes of pytest) the README states for `make test`."""
+    text = " ".join(README.read_text().split())
+    count = re.search(r"the whole suite \(about ([\d,]+) tests\)", text)
+    minutes = re.search(r"about ([\d.]+) minutes of pytest on a 2-core machine", text)
+    assert count and minutes, "the README no longer states the suite's size and time"
+    return int(count.group(1).replace(",", "")), float(minutes.group(1))
+
+
+def test_the_readmes_suite_figures_match_the_last_recorded_whole_run():
+    """Issue 46, item 4: "about 2,050 tests" stayed while the suite grew to 2,230."""
+    from tests.suite_budget import load_durations
+
+    suite = load_durations()["suite"]
+    if not suite:
+        import pytest
+
+        pytest.skip("no whole-suite run recorded: DEVICEKIT_RECORD_DURATIONS=1 make test")
+    count, minutes = _readme_figures()
+    assert abs(count - suite["tests"]) <= 0.05 * suite["tests"], (
+        f"README says about {count:,} tests; the last whole run had {suite['tests']:,}")
+    recorded = suite["pytest_seconds"] / 60
+    assert abs(minutes - recorded) <= max(0.1 * recorded, 0.25), (
+        f"README says about {minutes:g} minutes; the last whole run took {recorded:.1f}")
+
+
+def test_the_readmes_test_count_matches_this_run_when_it_is_the_whole_suite(request):
+    from tests.suite_budget import is_whole_suite
+
+    if not is_whole_suite(request.config):
+        import pytest
+
+        pytest.skip("only a run of the whole suite knows its test count")
+    count, _ = _readme_figures()
+    collected = len(request.session.items)
+    assert abs(count - collected) <= 0.05 * collected, (
+        f"README says about {count:,} tests; this run collected {collected:,}")

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import devicekit as dk
+from devicekit.cli.main import main
+from devicekit.cli.phases import AFTER_ENV
 from devicekit.hardware.bench_cache import read_result
 from devicekit.measure.devices import bench_devices
 
@@ -21,15 +20,17 @@ pytestmark = pytest.mark.skipif(
     reason="checks the CPU-only behaviour")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "devicekit", "bench", *args], env=dict(os.environ),
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_quick_json_gives_cpu_figures_and_says_there_is_no_gpu(tmp_path: Path) -> None:
-    done = _cli("--quick", "--json", "--plot", str(tmp_path / "bench.png"))
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+def test_quick_json_gives_cpu_figures_and_says_there_is_no_gpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # in this interpreter (the command's own code, without a second torch import); a log (no
+    # terminal) is told each measurement that lasts (issue 46, item 3): every one, at threshold 0
+    monkeypatch.setenv(AFTER_ENV, "0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", "--json", "--plot", str(tmp_path / "bench.png")])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code in (0, None), err
+    assert any(line.startswith("devicekit bench: cpu matmul") for line in err.splitlines()), err
+    doc = json.loads(out)
     assert doc["schema"] == 1 and doc["gpu_count"] == 0 and doc["quick"] is True
     assert any(n.startswith("no GPU:") and "CPU figures only" in n for n in doc["notes"])
     (cpu,) = doc["devices"]

@@ -45,3 +45,18 @@ def test_waiting_asks_a_count_and_running_names_its_gpus() -> None:
     assert on["ON GPUS"] == "0"  # the job on GPU 0: not "0 GPUs"
     headers = [set(columns(lines, name)) for name in ("ASKS", "ON GPUS")]
     assert all("GPUS" not in h for h in headers)  # no bare GPUS: a count here, an index there
+
+
+def test_a_long_reason_keeps_how_many_gpus_the_ticket_holds() -> None:
+    """Issue 46, item 4: the reason's end, "(holds 1 of 4)", was cut at 60 characters."""
+    reason = ("Busy: GPU 1 leased by bob (pid 5383, python big.py --config configs/very/long/path.yaml) "
+              "since 15:26 (holds 1 of 4)")
+    waiting = QueueEntry(ticket(2, 4), Decision("2", reserved=("GPU-3",), reason=reason), LABELS)
+    lines = render(QueueView((waiting,), (), Policy(), LABELS, {}).to_dict())
+    shown = columns(lines, "REASON")["REASON"]
+    assert shown == reason  # under 120 characters: whole
+    longer = reason.replace("long/path", "long/" * 20 + "path")
+    waiting = QueueEntry(ticket(2, 4), Decision("2", reserved=("GPU-3",), reason=longer), LABELS)
+    shown = columns(render(QueueView((waiting,), (), Policy(), LABELS, {}).to_dict()), "REASON")["REASON"]
+    assert shown.startswith("Busy: GPU 1 leased by bob") and shown.endswith("(holds 1 of 4)")
+    assert "..." in shown and len(shown) == 120

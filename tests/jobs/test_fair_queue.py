@@ -221,3 +221,25 @@ def test_bad_time_limit_is_one_line(jobs: Jobs) -> None:
     result = jobs.cli("run", "--time", "45", "--", "true")
     assert result.returncode != 0 and "--time '45' needs a unit" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_queued_run_whose_stderr_is_a_file_says_it_waits(two_gpus: Path, jobs: Jobs, holder: Callable,
+                                                             tmp_path: Path) -> None:
+    """Issue 46, item 2: run --wait under nohup or in a batch log wrote nothing while it waited."""
+    blocker = holder(1)
+    log = tmp_path / "job.err"
+    with log.open("w") as err:
+        proc = subprocess.Popen(devicekit_command("run", "--gpus", "2", "--wait", "120", "--", "true"),
+                                env=child_env(), text=True, stdout=subprocess.DEVNULL, stderr=err)
+    jobs.procs.append(proc)
+    ticket = ticket_of(proc.pid)
+    deadline = time.monotonic() + 60
+    while "devicekit: waiting" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = log.read_text().splitlines()[0]
+    assert first.startswith(f"devicekit: waiting for 2 GPU(s) (ticket {ticket.ticket}, 1 of 1 waiting), up to 1")
+    assert ": Busy: GPU 0 leased by " in first, first
+    stop(blocker)
+    assert proc.wait(timeout=120) == 0
+    # it polled on until the GPU freed; nothing changed and 30 s did not pass: nothing more said
+    assert [line for line in log.read_text().splitlines() if "waiting" in line] == [first]

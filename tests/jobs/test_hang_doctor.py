@@ -8,6 +8,7 @@ timeout + 15 s of it (start-up time, which a loaded machine stretches, is not co
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import stat
 import subprocess
@@ -133,6 +134,63 @@ def test_launch_names_the_stuck_rank_and_its_line(tmp_path: Path, no_leftover_ch
     assert f"test_hang_doctor.py:{LINE_STUCK + 1}" in err.report  # the all_reduce rank 0 waits in
     assert f"rank 1: not in a collective; now at test_hang_doctor.py:{LINE_STUCK} in stuck_before_fourth" in err.report
     assert err.report.splitlines()[-1].startswith("dk.launch: look at rank 1: it never reached all_reduce seq 4")
+
+
+JOB_IN_A_TORCH_FOLDER = """\
+import torch
+import torch.distributed as tdist
+
+import stuck_in_a_devicekit_folder
+
+
+def stuck_before_fourth(rank_to_stick, mark):
+    t = torch.ones(4)
+    for step in range(6):
+        if step == 3 and tdist.get_rank() == rank_to_stick:
+            stuck_in_a_devicekit_folder.stick(mark)
+        tdist.all_reduce(t)  # the collective rank 0 waits in
+    return "done"
+"""
+STUCK_IN_A_DEVICEKIT_FOLDER = """\
+import time
+from pathlib import Path
+
+
+def stick(mark):
+    Path(mark).write_text(repr(time.time()))
+    time.sleep(300)  # where rank 1 is
+"""
+
+
+def test_a_user_project_in_folders_named_devicekit_and_torch_is_still_the_users_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leftover_children: None) -> None:
+    """A clone's folder is named ``devicekit``, a project lives in one named ``torch``: the
+    report names the user's lines, not a multiprocessing frame (issue 46, item 1). One job covers
+    both: rank 0 waits in a collective called from the ``torch`` folder (the line a collective is
+    recorded at), rank 1 is stuck in the ``devicekit`` folder (where a rank is now)."""
+    job_dir, helper_dir = tmp_path / "torch", tmp_path / "devicekit"
+    for folder, name, text in ((job_dir, "job_in_a_torch_folder", JOB_IN_A_TORCH_FOLDER),
+                               (helper_dir, "stuck_in_a_devicekit_folder", STUCK_IN_A_DEVICEKIT_FOLDER)):
+        folder.mkdir()
+        (folder / f"{name}.py").write_text(text)
+        monkeypatch.syspath_prepend(str(folder))  # the spawned ranks get the parent's sys.path
+    job = importlib.import_module("job_in_a_torch_folder")
+    wait_line = JOB_IN_A_TORCH_FOLDER.splitlines().index(
+        "        tdist.all_reduce(t)  # the collective rank 0 waits in") + 1
+    stuck_line = STUCK_IN_A_DEVICEKIT_FOLDER.splitlines().index("    time.sleep(300)  # where rank 1 is") + 1
+    mark = tmp_path / "hang-began"
+    try:
+        with pytest.raises(dk.RankHangError) as info:
+            dk.launch(job.stuck_before_fourth, 1, str(mark), nprocs=2, devices="cpu", hang_timeout=HANG_TIMEOUT)
+    finally:
+        sys.modules.pop("job_in_a_torch_folder", None)
+        sys.modules.pop("stuck_in_a_devicekit_folder", None)
+    report = info.value.report
+    assert f"job_in_a_torch_folder.py:{wait_line}" in report, report  # rank 0's all_reduce
+    assert f"rank 1: not in a collective; now at stuck_in_a_devicekit_folder.py:{stuck_line} in stick" in report
+    advice = report.splitlines()[-1]
+    assert advice.startswith("dk.launch: look at rank 1: it never reached all_reduce seq 4"), report
+    assert advice.endswith(f"is at stuck_in_a_devicekit_folder.py:{stuck_line} in stick"), report
 
 
 def test_launch_names_the_rank_that_skipped_a_collective(tmp_path: Path, no_leftover_children: None) -> None:

@@ -17,7 +17,9 @@ import pytest
 
 import devicekit as dk
 from devicekit.jobs.allocation import allocate
+from devicekit.sharing.lease_directory import lease_dir
 from devicekit.sharing.leases import read_leases
+from devicekit.sharing.tickets import read_tickets
 from tests.conftest import h100
 from tests.ranks import child_env, devicekit_command, pid_written
 
@@ -219,7 +221,10 @@ def test_run_waits_for_a_leased_gpu(simulate: Callable[..., Path], monkeypatch: 
         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        time.sleep(2.0)
+        deadline = time.monotonic() + 60  # queued: its ticket is in the queue (no fixed sleep)
+        while not any(t.pid == runner.pid for t in read_tickets(lease_dir(), cleanup=False)):
+            assert runner.poll() is None and time.monotonic() < deadline, "never queued"
+            time.sleep(0.05)
         assert runner.poll() is None  # still queued behind the other job
         other_job.release()
         out, err = runner.communicate(timeout=30)

@@ -15,6 +15,7 @@ import click
 
 from devicekit.cli.estimate import checked_step_options, model_options
 from devicekit.cli.model_factory import check_model_args
+from devicekit.cli.phases import PhaseStatus
 
 __all__ = ["command"]
 
@@ -37,12 +38,16 @@ def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision:
     limit = check_time(time_limit or "01:00:00")
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
     check_model_args(model_spec, inputs)
-    from devicekit.cli.model_factory import load_factory, parse_inputs
-    from devicekit.strategy.advise import advise
+    with PhaseStatus("advise") as status:
+        status.phase("importing torch and devicekit")
+        from devicekit.cli.model_factory import load_factory, parse_inputs
+        from devicekit.strategy.advise import advise
 
-    sample = parse_inputs(inputs, batch)
-    model = load_factory(model_spec)
-    advice = advise(model, sample, **kwargs)
+        status.phase(f"building the model ({model_spec})")
+        sample = parse_inputs(inputs, batch)
+        model = load_factory(model_spec)
+        status.phase("estimating the step and ranking strategies for these GPUs")
+        advice = advise(model, sample, **kwargs)
     if sbatch:
         from devicekit.jobs.threads import usable_cores
         from devicekit.strategy.sbatch import sbatch_script

@@ -36,12 +36,20 @@ minute per GPU, --quick a few seconds (longer while other work keeps the CPU bus
 @click.option("--no-cache", is_flag=True, help="Do not record the results for selection.")
 def command(devices: tuple[str, ...], quick: bool, as_json: bool, plot: str | None,
             no_cache: bool) -> int:
-    from devicekit.measure.bench_runner import bench
-    from devicekit.measure.plot import check_plot_path, save_plot
+    from devicekit.cli.phases import PhaseStatus
+
+    with PhaseStatus("bench") as status:
+        status.phase("importing torch")
+        from devicekit.measure.bench_runner import bench
+        from devicekit.measure.plot import check_plot_path, save_plot
 
     if plot is not None:
         check_plot_path(plot)  # a bad file name fails before a minute of measuring
-    report = bench(list(devices) or None, quick=quick, progress=None, cache=not no_cache)
+    if sys.stderr.isatty():  # bench's own progress bar
+        report = bench(list(devices) or None, quick=quick, progress=None, cache=not no_cache)
+    else:  # a log: a line for each measurement that lasts (and now and then)
+        with PhaseStatus("bench") as status:
+            report = bench(list(devices) or None, quick=quick, progress=status.phase, cache=not no_cache)
     if plot is not None:
         save_plot(report, plot)
     if as_json:

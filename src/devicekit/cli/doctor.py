@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from devicekit.cli.phases import PhaseStatus
+
 if TYPE_CHECKING:
     from devicekit.sharing.doctor_checks import Check
 
@@ -29,6 +31,7 @@ __all__ = ["command"]
 SCHEMA_VERSION = 1
 
 _STYLES = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "bright_black"}
+_RUNNING = "running checks (torch and NCCL take a few seconds)"
 #: the longest check name (``cuda_visible_devices``): lines align before all checks have run
 _NAME_WIDTH = 20
 
@@ -40,16 +43,19 @@ def _line(check: Check) -> str:
 def _print_as_they_run(checks: Iterable[Check]) -> list[Check]:
     """Print each check as it completes; on a terminal coloured, under a status line (rich)."""
     done: list[Check] = []
-    if not sys.stdout.isatty():
-        for check in checks:
-            click.echo(_line(check))
-            done.append(check)
+    if not sys.stdout.isatty():  # a log: a status line on stderr for a check that takes a while
+        with PhaseStatus("doctor") as status:
+            status.phase(_RUNNING)
+            for check in checks:
+                click.echo(_line(check))
+                done.append(check)
+                status.phase(f"running checks ({len(done)} done, the next after {check.name})")
         return done
     from rich.console import Console
     from rich.markup import escape
 
     console = Console(highlight=False, soft_wrap=True)
-    with console.status("doctor: running checks (torch and NCCL take a few seconds)"):
+    with console.status(f"doctor: {_RUNNING}"):
         for check in checks:
             status = f"{check.status.upper():4}"
             rest = escape(_line(check)[len(status):])
@@ -71,7 +77,9 @@ def command(as_json: bool, no_torch: bool) -> int:
     from devicekit.sharing.doctor_checks import iter_checks, run_checks, summarize
 
     if as_json:
-        checks = run_checks(torch=not no_torch)
+        with PhaseStatus("doctor") as status:
+            status.phase(_RUNNING)
+            checks = run_checks(torch=not no_torch)
         summary = summarize(checks)
         click.echo(json.dumps({
             "schema": SCHEMA_VERSION,

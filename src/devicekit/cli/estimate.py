@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from devicekit.cli.model_factory import check_model_args
+from devicekit.cli.phases import PhaseStatus
 from devicekit.units import format_size
 
 __all__ = ["checked_step_options", "command", "model_options", "where_time_went"]
@@ -53,16 +54,20 @@ def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision:
         _refuse_training_options(optimizer, loss, step_spec)
     kwargs = checked_step_options(optimizer, precision, loss, step_spec)
     check_model_args(model_spec, inputs)
-    import torch._dynamo  # noqa: F401  (fake tensors import it on first use: count it as import time)
+    with PhaseStatus("estimate") as status:
+        status.phase("importing torch and devicekit")
+        import torch._dynamo  # noqa: F401  (fake tensors import it on first use: count it as import time)
 
-    from devicekit.cli.model_factory import load_factory, parse_inputs
-    from devicekit.memory.estimate import estimate_memory
+        from devicekit.cli.model_factory import load_factory, parse_inputs
+        from devicekit.memory.estimate import estimate_memory
 
-    spent = {"importing torch and devicekit": time.perf_counter() - started}
-    sample = parse_inputs(inputs, batch)
-    model = load_factory(model_spec)
-    spent["building the model"] = time.perf_counter() - started - sum(spent.values())
-    est = estimate_memory(model, sample, training=not inference, **kwargs)
+        spent = {"importing torch and devicekit": time.perf_counter() - started}
+        status.phase(f"building the model ({model_spec})")
+        sample = parse_inputs(inputs, batch)
+        model = load_factory(model_spec)
+        spent["building the model"] = time.perf_counter() - started - sum(spent.values())
+        status.phase("estimating: one " + ("forward" if inference else "training step") + " on fake tensors")
+        est = estimate_memory(model, sample, training=not inference, **kwargs)
     spent.update(est.timings)
     if as_json:
         click.echo(json.dumps(est.to_dict(), indent=2))

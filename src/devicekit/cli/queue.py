@@ -79,12 +79,18 @@ def cancel(ticket: str) -> None:
     click.echo(f"ticket {record.ticket} of {record.user} (pid {record.pid}) cancelled", err=True)
 
 
-def _inert(text: object, width: int | None = None) -> str:
+def _inert(text: object, width: int | None = None, *, keep_end: bool = False) -> str:
+    """Printable text, cut to ``width``; ``keep_end``: cut the middle (a reason's end, "(holds 2
+    of 4)", says as much as its start)."""
     from devicekit.hardware.printable import printable
 
     out = printable(text)  # escapes shown as status and select show them
     if width is not None and len(out) > width:
-        out = out[: width - 3] + "..."
+        if keep_end:
+            tail = width // 3
+            out = out[: width - 3 - tail] + "..." + out[-tail:]
+        else:
+            out = out[: width - 3] + "..."
     return out
 
 
@@ -134,7 +140,14 @@ def render(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: a cell's width at most; a reason's (the REASON column) is wider and cut in the middle
+_CELL_WIDTH = 60
+_REASON_WIDTH = 120
+
+
 def _table(rows: list[list[str]]) -> list[str]:
-    rows = [[_inert(c, 60) for c in row] for row in rows]
+    reason = rows[0].index("REASON") if "REASON" in rows[0] else -1
+    rows = [[_inert(c, _REASON_WIDTH, keep_end=True) if i == reason else _inert(c, _CELL_WIDTH)
+             for i, c in enumerate(row)] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]

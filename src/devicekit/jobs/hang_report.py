@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from devicekit.code_origin import library_of
 from devicekit.jobs.private_files import create_private_file
 from devicekit.jobs.rank_files import load_rank_file, read_rank_text
 from devicekit.parallel.collective_log import FLIGHT_RECORDER_ENV, HANG_DIR_ENV, REQUEST_FILE
@@ -172,12 +173,15 @@ class HangReport:
 
 
 def _user_frame(stack: list[list[Any]]) -> str:
-    """file:line in function of the innermost frame outside torch and devicekit."""
+    """file:line in function of the innermost frame outside torch, devicekit and the stdlib.
+
+    Their frames are known by where they are installed (:func:`library_of`), not by a folder
+    name: a user's project in a folder named ``devicekit`` or ``torch`` is the user's code.
+    """
     for filename, line, function in reversed(stack):
-        normal = str(filename).replace("\\", "/")
-        if "/torch/" in normal or "/devicekit/" in normal or normal.startswith("<"):
+        if library_of(str(filename)) is not None:
             continue
-        return _inert(f"{os.path.basename(normal)}:{line} in {function}")
+        return _inert(f"{os.path.basename(str(filename))}:{line} in {function}")
     if stack:
         filename, line, function = stack[-1]
         return _inert(f"{os.path.basename(str(filename))}:{line} in {function}")

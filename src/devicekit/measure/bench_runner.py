@@ -76,10 +76,11 @@ Step = tuple[str, Callable[[], None]]
 
 
 def bench(devices: Sequence[str] | str | None = None, *, quick: bool = False,
-          progress: bool | None = None, cache: bool = True) -> BenchReport:
+          progress: bool | None | Callable[[str], None] = None, cache: bool = True) -> BenchReport:
     """Measure ``devices`` (default: the CPU and every visible GPU); see the module doc.
 
-    ``progress``: a rich progress bar on stderr (None: only when stderr is a terminal).
+    ``progress``: a rich progress bar on stderr (None: only when stderr is a terminal), or a
+    function called with each measurement's description before it runs (no bar).
     ``cache``: write each device's result to the bench cache.
     """
     if not isinstance(quick, bool):
@@ -249,7 +250,12 @@ def _system_steps(gpus: list[torch.device], report: BenchReport, plan: Plan) -> 
     return steps
 
 
-def _run_steps(steps: list[Step], progress: bool | None) -> None:
+def _run_steps(steps: list[Step], progress: bool | None | Callable[[str], None]) -> None:
+    if callable(progress):
+        for number, (description, step) in enumerate(steps, 1):
+            progress(f"{description} ({number}/{len(steps)})")
+            step()
+        return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any
 
+from devicekit.code_origin import library_of
+
 __all__ = ["HANG_DIR_ENV", "FLIGHT_RECORDER_ENV", "REQUEST_FILE", "start_from_environment", "start",
            "records", "dump", "flight_recorder_for", "group_timeout"]
 
@@ -51,7 +53,6 @@ _OPS = (
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
 )
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 #: bytes of rank<R>.last: one entry, padded, so each rewrite covers the previous one
@@ -216,11 +217,11 @@ def _entry(state: _State, name: str, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _caller() -> tuple[str, int]:
-    """(file, line) of the first frame outside torch and devicekit's own wrappers."""
+    """(file, line) of the first frame outside torch, devicekit and the stdlib (by install place)."""
     frame = sys._getframe(3)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if "/torch/" not in filename and "\\torch\\" not in filename and not filename.startswith(_HERE):
+        if library_of(filename) is None:
             return filename, frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
     return "?", 0

@@ -56,8 +56,10 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
     (strongest first by :mod:`~devicekit.hardware.capability` score, then most free; the chosen
     GPUs come back in that order, so ``cuda:0`` is the strongest), ``"index"`` or ``"random"``.
     ``account_as_free``: users whose processes' GPU memory counts as free (your own
-    idle notebook). ``wait``: seconds to poll (every ``poll_interval`` s, with a progress line on
-    a terminal when ``progress`` is None) for enough GPUs. ``lease=False``: choose without
+    idle notebook). ``wait``: seconds to poll (every ``poll_interval`` s) for enough GPUs; while
+    it waits, ``progress`` None or True shows a live line on a terminal and plain lines on stderr
+    elsewhere (the ticket, its place, why it waits; again on each change and every 30 s; see
+    :mod:`~devicekit.selection.waiting`), False nothing. ``lease=False``: choose without
     reserving (still skips leased GPUs). ``fallback="cpu"``: return a CPU selection instead of
     raising :class:`~devicekit.errors.NoDeviceAvailable`. ``command``: recorded in the lease.
     Waiting takes a ticket in the fair queue (first come, first served; GPUs reserved for the
@@ -98,7 +100,7 @@ def select_gpus(count: int | str = 1, *, min_free_memory: str | int | None = Non
                 ticket = join_for(request, candidates, command, limit, look.directory, look.policy)
             if display is None:
                 display = WaitDisplay(request.count, wait, enabled=progress)
-            display.update(candidates, deadline - now)
+            display.update(candidates, deadline - now, ticket=ticket, look=look)
             time.sleep(min(poll_interval, max(deadline - now, 0.0)))
     except BaseException:
         if ticket is not None:

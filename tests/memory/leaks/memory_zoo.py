@@ -118,8 +118,8 @@ def tensor_attribute_chain() -> Case:
         global last_out
         out = model(X)
         out.pow(2).mean().backward()
-        out.prev = last_out  # type: ignore[attr-defined]
-        last_out = out  # GROW-tensor_attribute_chain
+        out.prev = last_out  # type: ignore[attr-defined]  # GROW-tensor_attribute_chain
+        last_out = out
 
     return Case(step, "last_out", "tensor_attributes", "tensor_attribute_chain", fix=(("deque",),))
 

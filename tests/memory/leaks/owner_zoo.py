@@ -101,8 +101,8 @@ class TensorAttributeChain(Owner):
     def grow(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         global LAST_OUT
         out = self.net(x)
-        out.prev = LAST_OUT  # type: ignore[attr-defined]
-        LAST_OUT = out  # GROW-owner_tensor_attribute_chain
+        out.prev = LAST_OUT  # type: ignore[attr-defined]  # GROW-owner_tensor_attribute_chain
+        LAST_OUT = out
         return F.mse_loss(out, y)
 
 

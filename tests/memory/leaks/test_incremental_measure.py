@@ -11,6 +11,7 @@ holders (``owner.track.running``), and the globals a module's methods name are h
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def test_an_optimizers_state_keeps_its_size_while_it_holds_the_same_tensors() ->
         for _ in range(6):
             train(model, opt)
             ld.step()
-            cached.append("opt.state" in ld._big)  # noqa: SLF001 - the cache under test
+            cached.append(ld._sizes.cached("opt.state"))  # noqa: SLF001 - the cache under test
     assert cached[-1] and ld.report().ok, (cached, str(ld.report()))
 
 
@@ -79,15 +80,16 @@ def test_a_list_whose_last_item_is_replaced_is_charged_to_that_line() -> None:
 
     def step() -> None:
         out = model(X)
-        out.prev = HEAD[0]  # type: ignore[attr-defined]
-        HEAD[0] = out  # the line
+        out.prev = HEAD[0]  # type: ignore[attr-defined]  # the line that links the chain
+        HEAD[0] = out
 
     try:
         report = dk.find_leaks(step)
     finally:
         HEAD[0] = None
     (leak,) = report.leaks
-    assert leak.holder == "HEAD" and leak.kind == "tensor_attributes" and leak.lineno > 0, str(report)
+    assert leak.holder == "HEAD" and leak.kind == "tensor_attributes", str(report)
+    assert leak.lineno == step.__code__.co_firstlineno + 2, str(report)  # `out.prev = HEAD[0]`
 
 
 class Tracked(nn.Module):
@@ -118,3 +120,22 @@ def test_a_closure_cell_of_a_modules_function_is_a_holder() -> None:
     report = dk.find_leaks(step)
     (leak,) = report.leaks
     assert (leak.holder, leak.kind) == ("model.add.total", "autograd_graph"), str(report)
+
+
+def test_a_chain_linked_lines_before_its_head_moves_is_charged_to_the_link() -> None:
+    """Issue 45, item 11: the line that links the chain, not the one that renames its head."""
+    model = small()
+    kept: list[Any] = [None]
+
+    def step() -> None:
+        out = model(X)
+        out.note = torch.zeros(1)  # type: ignore[attr-defined]  # a tensor attribute that links nothing
+        out.prev = kept[0]  # type: ignore[attr-defined]  # the link
+        loss = out.pow(2).mean()
+        loss.backward()
+        kept[0] = out
+
+    report = dk.find_leaks(step)
+    (leak,) = report.leaks
+    assert leak.kind == "tensor_attributes", str(report)
+    assert leak.lineno == step.__code__.co_firstlineno + 3, str(report)

@@ -16,10 +16,11 @@ Part of the ``memory`` wing: imports ``units``, ``errors``, ``hardware``, ``plac
 
 Modules: ``holders`` (what to watch by name), ``survivors`` (tensors that outlive their step
 by two), ``reach`` (the named path to a survivor), ``discovery`` (survivors to holders),
-``measure`` (how big), ``graphs`` (what an autograd graph keeps, walked once), ``trend`` (is it
-growing), ``lines`` (which line), ``cycles`` (reference cycles), ``hints`` (what the code around
-the line does), ``verdict`` (kind, detail and fix), ``judge`` (series to leaks), ``report``
-(Leak, LeakReport), ``detector`` (LeakDetector), ``find`` (find_leaks).
+``measure`` (how big), ``holder_sizes`` (each holder's size, cheaply step after step),
+``graphs`` (what an autograd graph keeps, walked once), ``trend`` (is it growing), ``lines``
+(which line), ``cycles`` (reference cycles), ``hints`` (what the code around the line does),
+``verdict`` (kind, detail and fix), ``judge`` (series to leaks), ``report`` (Leak, LeakReport),
+``detector`` (LeakDetector), ``find`` (find_leaks).
 """
 
 from __future__ import annotations

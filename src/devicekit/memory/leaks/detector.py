@@ -14,8 +14,8 @@ yet is followed line by line during the next step, three steps at most
 
 What a step costs stays flat while a leak grows: a list of tensors is measured by what was
 appended since the last step, autograd graphs walked at the last step are merged rather than
-walked again (:mod:`~devicekit.memory.leaks.graphs`), the named walk runs on the first steps
-and then every few, and the tracer stops once it has answered.
+walked again (:mod:`~devicekit.memory.leaks.holder_sizes`), the named walk runs on the first
+steps and then every few, and the tracer stops once it has answered.
 
 Usage::
 
@@ -48,7 +48,6 @@ exception); ``watch=`` names the model and optimizer the callback's frame does n
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import sys
@@ -66,7 +65,7 @@ from devicekit.memory.leaks.discovery import (
     code_roots,
     method_roots,
 )
-from devicekit.memory.leaks.graphs import GraphCache
+from devicekit.memory.leaks.holder_sizes import HolderSizes
 from devicekit.memory.leaks.holders import Holder, discover, namespaces
 from devicekit.memory.leaks.judge import (
     HolderFacts,
@@ -76,29 +75,17 @@ from devicekit.memory.leaks.judge import (
     unnamed_leak,
 )
 from devicekit.memory.leaks.lines import LineTracer
-from devicekit.memory.leaks.measure import Size, measure
+from devicekit.memory.leaks.measure import Size
 from devicekit.memory.leaks.new_names import NewNames
 from devicekit.memory.leaks.report import LeakReport, coverage_notes
-from devicekit.memory.leaks.resume import (
-    Chain,
-    Resumable,
-    content_print,
-    measure_appended,
-    measure_chain,
-    tensors_print,
-)
 from devicekit.memory.leaks.trend import growth
-from devicekit.memory.paths import CONTAINERS
 from devicekit.memory.roots import MISSING, Root, frame_roots
 from devicekit.units import format_size
 
 __all__ = ["LeakDetector"]
 
-_REMEASURE_BELOW = 16  # containers this long keep their size while they hold the same objects
 _DISCOVER_EVERY = 4  # steps between walks for named holders (after the first two)
 _TRACE_STEPS = 3  # steps the line tracer follows one holder that grew, at most
-#: measured by what was added since the last step (resume.measure_appended); a hook dict is a dict
-_APPENDED = (list, collections.deque, dict, collections.OrderedDict)
 
 
 class LeakDetector:
@@ -135,18 +122,12 @@ class LeakDetector:
         self._cycle_watch = CycleWatch() if cycles else None
         self._notes: list[str] = []
         self._allocated: list[tuple[int, int]] = []
-        self._big: dict[str, tuple[Any, Size, frozenset[int]]] = {}
-        self._resume: dict[str, Resumable] = {}  # lists of tensors, measured as they grow
-        self._chains: dict[str, Chain] = {}  # exceptions and tensors, measured as chains grow
+        self._sizes = HolderSizes()  # what each holder keeps, measured cheaply step after step
         self._trace_count: dict[str, int] = {}  # steps traced for a holder's line
         self._found: dict[str, Holder] | None = None  # the named holders, as last discovered
-        self._graphs = GraphCache()  # autograd graphs walked at the last step
         self._frame: list[types.FrameType | None] = [None]  # the latest step()'s frame
         self._bound: dict[str, Holder] = {}  # holders found from the memory, reading _frame
-        self._whole: set[str] = set()  # lists that held something else once
         self._discovery = HolderDiscovery()
-        # path -> (id of its value, ids of the containers inside it), as last measured
-        self._inside: dict[str, tuple[int, set[int]]] = {}
         self._code_roots_of: Callable[[types.FrameType | None], list[Root]] = self._frame_code_roots
         # attribute dicts (`model.__dict__`, `model._modules`), as last discovered; the names each
         # had when first seen; those measured (it gained a name that keeps memory); what it gained
@@ -182,14 +163,11 @@ class LeakDetector:
         self._code_roots_of = lambda _frame: []
         self._extra = []
         self._discovery.clear()
-        self._big.clear()
+        self._sizes.clear()
         self._found = None
-        self._graphs.clear()
         self._frame[0] = None
         self._bound.clear()
         self._names.clear()
-        self._resume.clear()
-        self._chains.clear()
         self._stopped = True
 
     def step(self) -> None:
@@ -281,7 +259,7 @@ class LeakDetector:
             self._record(new, step, hits, grew, seen, held)
             self._refresh(holders, self._discovery.through_held, step, hits, grew, seen)
         del unexplained
-        self._graphs.sweep()
+        self._sizes.graphs.sweep()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._allocated.append((step, torch.cuda.memory_allocated()))
         # lines are traced only for what grew and has no line yet, a few steps at most each: the
@@ -301,9 +279,10 @@ class LeakDetector:
     def _refresh(self, holders: dict[str, Holder], ids: set[int], step: int, hits: dict[str, tuple[str, int]],
                  grew: dict[str, Holder], seen: set[int]) -> None:
         """Measure afresh the holders a survivor was found in whose size came from a cache."""
-        stale = {path: holder for path, holder in holders.items() if path in self._big and id(holder.get()) in ids}
+        stale = {path: holder for path, holder in holders.items()
+                 if self._sizes.cached(path) and id(holder.get()) in ids}
         for path in stale:
-            del self._big[path]
+            self._sizes.forget(path)
             series = self._series[path]
             if series and series[-1][0] == step:
                 series.pop()
@@ -338,60 +317,11 @@ class LeakDetector:
         attributes, a module's parameters, are not what a name added every step keeps)."""
         view = self._names.view(path, value)
         if view is None:
-            return self._measure_held(path, value, seen)
+            return self._sizes.measure(path, value, seen)
         try:
-            return self._measure_held(path, view, seen)
+            return self._sizes.measure(path, view, seen)
         finally:
             view.clear()  # the view keeps nothing alive between steps
-
-    def _measure_held(self, path: str, value: Any, seen: set[int]) -> Size:
-        """Measure; a list of tensors is measured by what was appended since the last step (its
-        old items were walked then), an exception or tensor chain by the links put before its
-        last head (:mod:`~devicekit.memory.leaks.resume`); a container that holds the same
-        objects as at its last measurement keeps its last size (walking a 10,000-item dataset
-        list every step would cost more than the step; growth inside one of its items is found
-        from the memory, which then has it measured afresh: ``_refresh``)."""
-        if (isinstance(value, BaseException) or issubclass(type(value), torch.Tensor)) and path not in self._whole:
-            size, chain = measure_chain(value, self._chains.get(path), cache=self._graphs)
-            if chain is not None:
-                self._chains[path] = chain
-                seen.update(chain.tally.seen or ())
-                self._inside[path] = (id(value), set())
-                return size
-        self._chains.pop(path, None)  # it holds something else now: let the old chain go
-        if type(value) in _APPENDED and path not in self._whole:
-            size, state = measure_appended(value, self._resume.get(path), cache=self._graphs)
-            if state is not None:
-                self._resume[path] = state
-                seen.update(state.tally.seen or ())
-                self._inside[path] = (id(value), state.tally.containers - {id(value)})
-                return size
-            self._resume.pop(path, None)
-            self._whole.add(path)  # it holds something else: measured whole from now on
-        if not isinstance(value, CONTAINERS):
-            inside: set[int] = set()
-            size = measure(value, seen=seen, inside=inside, cache=self._graphs)
-            inside.discard(id(value))
-            self._inside[path] = (id(value), inside)
-            return size
-        # a small container is measured afresh unless it holds only tensors without a graph, two
-        # levels deep, the same ones as last time (an optimizer's state, a dict of EMA weights)
-        print_ = content_print(value) if len(value) >= _REMEASURE_BELOW else tensors_print(value)
-        last = self._big.get(path)
-        if print_ is None:
-            self._big.pop(path, None)
-        elif last is not None and last[0] == print_:
-            seen.update(last[2])
-            return last[1]
-        ids: set[int] = set()
-        inside = set()
-        size = measure(value, seen=ids, inside=inside, cache=self._graphs)
-        inside.discard(id(value))
-        self._inside[path] = (id(value), inside)
-        seen.update(ids)
-        if print_ is not None:
-            self._big[path] = (print_, size, frozenset(ids))
-        return size
 
     # -- verdict ---------------------------------------------------------------------------
     def report(self) -> LeakReport:
@@ -409,7 +339,7 @@ class LeakDetector:
                 leak = dataclasses.replace(leak, detail=f"{leak.detail}: {', '.join(self._names.added(path))}, ...")
             if leak is not None:
                 leaks.append(leak)
-        leaks = most_specific(leaks, self._inside)
+        leaks = most_specific(leaks, self._sizes.inside)
         cycle = cycle_leak([sample for step, sample in self._cycles if step > self.warmup], self._cycle_line())
         if cycle is not None:
             leaks.append(cycle)

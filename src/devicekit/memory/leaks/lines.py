@@ -8,7 +8,10 @@ and cost one cheap check). At every traced line
 it compares a fingerprint of each suspect (identity, length, tensor version: O(1), no walking)
 with the last one; a change that extends the holder is charged to the line that ran just before.
 So ``total_loss += loss`` (an in-place add bumps the tensor's version), ``history.append(x)``
-and ``self.cache[k] = v`` inside ``forward`` are each found at their own line. Another tracer
+and ``self.cache[k] = v`` inside ``forward`` are each found at their own line. A chain of
+tensors linked through an attribute (``out.prev = last_out; last_out = out``) is charged to the
+line that links it: the first line after which a local tensor holds the chain's head in an
+attribute (the head's replacement on the next line only moves the name). Another tracer
 (a debugger, coverage) is never replaced: before 3.12 attribution is then off and the report
 says so; from 3.12 both run side by side.
 
@@ -82,6 +85,8 @@ class LineTracer:
         self._seen: set[int] = set()
         self._prints: dict[str, _Print] = {}
         self._prev: tuple[str, int] | None = None
+        self._chains: set[str] = set()  # watched holders whose head tensor links to the last one
+        self._links: dict[str, tuple[int, tuple[str, int]]] = {}  # path -> (id of linking tensor, line)
         self._user_code: dict[types.CodeType, bool] = {}
         self._frame: types.FrameType | None = None
         self._previous_trace: Callable[..., Any] | None = None
@@ -91,6 +96,8 @@ class LineTracer:
         """Follow these holders from now on (fingerprints taken now)."""
         self._watch = dict(holders)
         self._prints = {path: fingerprint(h.get()) for path, h in self._watch.items()}
+        self._chains = {path for path, h in self._watch.items() if _links_back(_head(h.get())) is not None}
+        self._links.clear()
         self._prev = None
 
     def watch_types(self, types_: tuple[type, ...]) -> None:
@@ -145,9 +152,26 @@ class LineTracer:
             if new != old:
                 self._prints[path] = new
                 if prev is not None and extends(old, new):
-                    self.hits[path] = prev
+                    link = self._links.pop(path, None)
+                    self.hits[path] = link[1] if link is not None else prev
+
+    def _spot_link(self, frame: types.FrameType) -> None:
+        """Note the line that made a local tensor hold a chain's head in an attribute."""
+        if self._prev is None:
+            return
+        for path in self._chains:
+            head = _head(self._watch[path].get())
+            if head is None:
+                continue
+            for value in frame.f_locals.values():
+                if value is not head and _links_to(value, head):
+                    if path not in self._links or self._links[path][0] != id(value):
+                        self._links[path] = (id(value), self._prev)
+                    break
 
     def _on_line(self, frame: types.FrameType, filename: str, lineno: int) -> None:
+        if self._chains:
+            self._spot_link(frame)
         self.check()
         if self._types:
             self._spot_new(frame)
@@ -185,3 +209,25 @@ class LineTracer:
         back = frame.f_back
         if back is not None and self._is_user(back.f_code):
             self._prev = (back.f_code.co_filename, back.f_lineno)
+
+
+def _head(value: Any) -> torch.Tensor | None:
+    """The tensor at a holder's head: the holder itself, or a list's last item."""
+    if isinstance(value, (list, collections.deque)) and value:
+        value = value[-1]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _links_back(value: Any) -> torch.Tensor | None:
+    """The tensor a tensor keeps in one of its attributes (``out.prev``), or None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    attributes = getattr(value, "__dict__", None)
+    return next((v for v in (attributes or {}).values() if isinstance(v, torch.Tensor)), None)
+
+
+def _links_to(value: Any, head: torch.Tensor) -> bool:
+    """Does a tensor keep ``head`` in one of its attributes?"""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(v is head for v in (getattr(value, "__dict__", None) or {}).values())
