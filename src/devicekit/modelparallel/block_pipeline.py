@@ -55,7 +55,14 @@ from devicekit.modelparallel.call_args import as_call
 from devicekit.modelparallel.microbatch import batch_leaves, move, padded, scatter
 from devicekit.modelparallel.microbatch_threads import MicroBatchRunner, Stages, records_grad
 from devicekit.modelparallel.module_split import ModuleSplit
-from devicekit.modelparallel.output_join import Join, join, learn_join
+from devicekit.modelparallel.output_join import (
+    WEIGHTED,
+    Join,
+    join,
+    label_counts,
+    learn_join,
+    warn_uneven,
+)
 from devicekit.modelparallel.partition import Plan
 from devicekit.modelparallel.recompute import (
     checkpoint_stop,
@@ -157,7 +164,7 @@ class BlockPipeline:
                 finally:
                     for handle in handles:
                         handle.remove()
-                how = learn_join(run, (args, batch), self.name, chunks)
+                how, uneven = learn_join(run, (args, batch), self.name, chunks)
         finally:
             for m, mode in modes.items():
                 m.training = mode
@@ -172,6 +179,7 @@ class BlockPipeline:
                 "use chunks=1 or dk.split(model, devices)")
         self.how = how
         self.unchecked = False
+        warn_uneven(self.name, chunks, uneven)
 
     @property
     def parts(self) -> list[nn.Sequential]:
@@ -207,8 +215,11 @@ class BlockPipeline:
                                          records_grad=records_grad(self._model, calls), discard=discard)
         how = self.how
         if how is not None and "num_items_in_batch" in shared:  # each loss is a sum / the batch's count
-            how = tuple("sum" if h == "mean" else h for h in how)
-        return join(outputs, sizes, how), len(calls), busy
+            how = tuple("sum" if h in WEIGHTED else h for h in how)
+        found = [label_counts(c) for c in calls]
+        counts = {k: [c[k] for c in found if c is not None] for k in ("tokens", "shifted")} \
+            if all(c is not None for c in found) else None
+        return join(outputs, sizes, how, counts), len(calls), busy
 
     def close(self) -> None:
         """Stop the micro-batch threads (a later call starts new ones)."""

@@ -8,8 +8,10 @@ them), cuts it into micro-batches along dimension 0 (:mod:`~devicekit.modelparal
 and runs micro-batch ``i`` through the parts in thread ``i``, entering part ``j`` after
 micro-batch ``i - 1`` left it (:class:`~devicekit.modelparallel.microbatch_threads.MicroBatchRunner`).
 Between CUDA devices activations move on side copy streams
-(:mod:`~devicekit.modelparallel.copy_streams`). Outputs are concatenated back (an output with
-the batch on dimension 1, an LSTM's ``h_n``, is joined on it).
+(:mod:`~devicekit.modelparallel.copy_streams`). Outputs are joined as the hook engine joins
+them (:mod:`~devicekit.modelparallel.output_join`): concatenated (an output with the batch on
+dimension 1, an LSTM's ``h_n``, on it), and a loss the model computes itself as the
+size-weighted mean (or the sum) of the micro-batches' values.
 
 * Recompute: a checkpointed micro-batch keeps each part's input only and recomputes the part on
   backward (:func:`~devicekit.modelparallel.recompute.checkpointed`, as torchgpipe does).
@@ -37,8 +39,9 @@ from devicekit.errors import InvalidValueError
 from devicekit.modelparallel.chain import Chain
 from devicekit.modelparallel.copy_streams import CopyStreams, mark, tensors_in
 from devicekit.modelparallel.layer_plan import Balance, make_parts, resolve
-from devicekit.modelparallel.microbatch import gather, move, scatter
+from devicekit.modelparallel.microbatch import batch_leaves, move, padded, scatter
 from devicekit.modelparallel.microbatch_threads import MicroBatchRunner, Stages, records_grad
+from devicekit.modelparallel.output_join import join, warn_uneven
 from devicekit.modelparallel.partition import Plan
 from devicekit.modelparallel.per_sample import check_per_sample
 from devicekit.modelparallel.recompute import checkpoint_stop, checkpointed, draws_random_numbers
@@ -57,7 +60,8 @@ class ChainPipeline:
     def __init__(self, model: nn.Module, chain: Chain | None, devices: Sequence[Any] | Plan, *, chunks: int,
                  balance: Balance, sample: Any, optimizer: str | float | None) -> None:
         self.name = type(model).__name__
-        found = check_per_sample(chain, sample) if chain is not None and chunks > 1 and sample is not None else None
+        found = check_per_sample(chain, sample, chunks) if chain is not None and chunks > 1 and sample is not None \
+            else None
         with StateGuard(model) as guard:  # building leaves every buffer as it was
             self.layers, self.plan = resolve(model if chain is None else chain, devices, balance, sample, optimizer)
         refuse_written_buffers(self.name, chunks, [*(found.written if found else ()), *guard.written])
@@ -68,6 +72,7 @@ class ChainPipeline:
         self._unchecked = chunks > 1 and sample is None
         # per output tensor, the dimension that holds the batch (an LSTM's h_n: 1); None: all 0
         self._output_dims = found.output_dims if found is not None else None
+        warn_uneven(self.name, chunks, found.uneven if found is not None else ())
         self._random = [m for part in self.parts for m in part.modules() if draws_random_numbers(m)]
         self._copies = [CopyStreams() for _ in self.plan.devices]  # one micro-batch per stage at a time
         self._runner = MicroBatchRunner(self.plan.devices)
@@ -75,9 +80,10 @@ class ChainPipeline:
     def _check(self, x: Any, chunks: int) -> None:
         """Once, on the first batch: a chain that mixes samples or writes buffers is refused."""
         if self._chain is not None:
-            found = check_per_sample(self._chain, x)
+            found = check_per_sample(self._chain, x, chunks)
             written = list(found.written)
             self._output_dims = found.output_dims
+            warn_uneven(self.name, chunks, found.uneven)
         else:
             written = self._written_by_forward(x, chunks)
         refuse_written_buffers(self.name, chunks, written)
@@ -126,7 +132,8 @@ class ChainPipeline:
         done, busy = self._runner.run(len(batches), body, random_active=any(m.training for m in self._random),
                                       records_grad=records_grad(self._model, batches), discard=discard)
         outputs = [_to_caller(x, since) for x, since in done]
-        return gather(outputs, self._output_dims), len(batches), busy
+        sizes = [padded(leaves[0]).size(0) if (leaves := batch_leaves(b)) else 1 for b in batches]
+        return join(outputs, sizes, self._output_dims), len(batches), busy
 
     def close(self) -> None:
         """Stop the micro-batch threads (a later call starts new ones)."""

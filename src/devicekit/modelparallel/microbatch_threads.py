@@ -29,7 +29,8 @@ one after another in the calling thread when nothing can overlap.
   of them) would differ with the same seed. While a layer that draws is in training mode, or
   once a call saw a shared generator move, micro-batches run one after another in the calling
   thread: the draws of the unpipelined order, every call (a call that saw draws only after
-  overlapping is discarded and run again in order, once: the runner remembers).
+  overlapping is discarded and run again in order, once: the runner remembers). Masks drawn
+  per micro-batch are not the unsplit model's whole-batch masks: a warning says so once.
 
 Usage::
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -51,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from devicekit.modelparallel.recompute import drew_random_numbers, generator_states
+from devicekit.modelparallel.recompute import PipelineDiffers, drew_random_numbers, generator_states
 from devicekit.placement.walk import map_tensors
 
 __all__ = ["MicroBatchRunner", "Stages", "records_grad", "Turnstile", "SerialStages", "MicroThreads", "caller_modes",
@@ -302,6 +304,7 @@ class MicroBatchRunner:
         self.pool = MicroThreads()
         self._shared = shared_generators(self.devices)
         self.draws_seen = False  # a call saw a shared generator move: later ones run in order
+        self._said_random = False
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -315,6 +318,13 @@ class MicroBatchRunner:
         forward builds an autograd graph (grad mode on, a parameter or an input that needs grad);
         ``discard``: forget what a discarded overlapped run recorded (BatchNorm statistics)."""
         n = len(self.devices)
+        if random_active and count > 1 and not self._said_random:
+            self._said_random = True
+            warnings.warn(
+                f"dk.Pipeline: dropout draws its masks per micro-batch ({count} per batch), so outputs and "
+                "gradients equal the unsplit model's in distribution, not in value, for the same seed; every "
+                "call with the same seed gives the same result (model.eval() or chunks=1 for the unsplit draws)",
+                PipelineDiffers, stacklevel=5)
         in_order = bool(self._shared) and (self.draws_seen or random_active)
         first_backward = records_grad and torch.is_grad_enabled() and not self.pool.ready(count)
         if count > 1 and n > 1 and not in_order and not first_backward:

@@ -49,8 +49,10 @@ layers treat samples independently; BatchNorm normalises per micro-batch, see be
 * The pipeline stays where it was planned: ``.to(device)``/``.cuda()``/``.cpu()`` are refused
   (see :mod:`devicekit.modelparallel.stays`); dtype casts are fine.
 * BatchNorm layers become :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` (same
-  tensors): running statistics are updated once per mini-batch with the whole mini-batch's
-  statistics, as a non-pipelined run would. ``deferred_batch_norm=False`` keeps plain BatchNorm.
+  tensors): running statistics are updated once per mini-batch, as one update over all the
+  micro-batches' inputs to the layer together would (past the first BatchNorm those inputs come
+  from layers normalised per micro-batch, so they are not an unsplit run's).
+  ``deferred_batch_norm=False`` keeps plain BatchNorm.
 
 On CPU (``["cpu", "cpu"]``) the forward passes overlap in threads; the backward pass runs in
 torch's autograd engine, which runs CPU work on the calling thread (on GPUs it has one thread
@@ -91,12 +93,12 @@ from devicekit.modelparallel.device_list import parse_devices
 from devicekit.modelparallel.layer_plan import Balance
 from devicekit.modelparallel.module_units import is_plain_sequential
 from devicekit.modelparallel.partition import Plan
-from devicekit.modelparallel.recompute import CHECKPOINT_MODES
+from devicekit.modelparallel.recompute import CHECKPOINT_MODES, PipelineDiffers
 from devicekit.modelparallel.schedule import bubble_fraction
 from devicekit.modelparallel.stays import StaysOnPlan
 from devicekit.modelparallel.trace import UntraceableError
 
-__all__ = ["Pipeline", "PipelineRun", "PipelineCallError"]
+__all__ = ["Pipeline", "PipelineRun", "PipelineCallError", "PipelineDiffers"]
 
 Engine = ChainPipeline | BlockPipeline
 

@@ -35,10 +35,14 @@ from torch import fx, nn
 from devicekit.errors import SplitError
 from devicekit.placement.walk import map_tensors
 
-__all__ = ["checkpointed", "checkpointed_call", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop",
+__all__ = ["PipelineDiffers", "checkpointed", "checkpointed_call", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop",
            "generator_states", "drew_random_numbers", "draws_random_numbers", "shares_a_generator"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+class PipelineDiffers(UserWarning):
+    """A pipeline's result can differ from the unsplit model's on the whole batch (said once, with why)."""
 
 _state = threading.local()
 
