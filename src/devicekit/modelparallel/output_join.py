@@ -190,10 +190,21 @@ def _weigh_means(run: Callable[[Any], Any], sample: Any, halves: list[Any], how:
     updated in place): label tokens where the batch has labels (tried with a few ignored), else
     sizes; returns the means no weighting joins."""
     if label_counts(sample) is not None:
-        sample = _with_ignored_labels(sample, 1)
-        halves = [_with_ignored_labels(halves[0], 1), *halves[1:]]
-    whole = [padded(t) for t in batch_leaves(run(sample))]
-    pieces = [[padded(t) for t in batch_leaves(run(h))] for h in halves]
+        probe = _with_ignored_labels(sample, 1)
+        probes = [_with_ignored_labels(halves[0], 1), *halves[1:]]
+        try:
+            whole = [padded(t) for t in batch_leaves(run(probe))]
+            pieces = [[padded(t) for t in batch_leaves(run(h))] for h in probes]
+            sample, halves = probe, probes
+        except Exception:  # noqa: BLE001 - a model that cannot take ignored labels: judge the sample as given
+            label_free = True
+        else:
+            label_free = False
+    else:
+        label_free = True
+    if label_free:
+        whole = [padded(t) for t in batch_leaves(run(sample))]
+        pieces = [[padded(t) for t in batch_leaves(run(h))] for h in halves]
     weights: dict[str, list[int]] = {"mean": [padded(batch_leaves(h)[0]).size(0) for h in halves]}
     found = [label_counts(h) for h in halves]
     if all(c is not None for c in found):
