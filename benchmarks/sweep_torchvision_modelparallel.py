@@ -41,7 +41,7 @@ import devicekit as dk
 
 TOLERANCE = 1e-4
 #: models with a fixed input size, or a minimum above the sweep's 64 pixels
-SIZES = {"inception_v3": 96, "maxvit_t": 224, "swin_": 64, "vit_": 64}
+SIZES = {"inception_v3": 96, "maxvit_t": 224, "swin_": 64}
 
 
 def import_torchvision() -> Any:
@@ -59,15 +59,34 @@ def import_torchvision() -> Any:
         return torchvision
 
 
-def build(tv: Any, name: str) -> tuple[nn.Module, torch.Tensor]:
-    size = next((s for prefix, s in SIZES.items() if name.startswith(prefix)), 64)
+def size_of(name: str) -> int:
+    if name.startswith("vit_"):  # a multiple of the patch (vit_h_14: 56)
+        return int(name.rsplit("_", 1)[-1]) * 4
+    return next((s for prefix, s in SIZES.items() if name.startswith(prefix)), 64)
+
+
+def options(name: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"weights": None, "num_classes": 10}
     if name.startswith("vit_"):
-        kwargs["image_size"] = size
+        kwargs["image_size"] = size_of(name)
     if name in ("inception_v3", "googlenet"):
         kwargs.update(aux_logits=False, init_weights=False)
+    return kwargs
+
+
+def parameters(tv: Any, name: str) -> int:
+    """The model's parameter count, built on the meta device (no memory, no initialisation)."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in tv.models.get_model(name, **options(name)).parameters())
+    except Exception:  # noqa: BLE001 - some initialisations copy values (RegNet): count a real one
+        return sum(p.numel() for p in tv.models.get_model(name, **options(name)).parameters())
+
+
+def build(tv: Any, name: str) -> tuple[nn.Module, torch.Tensor]:
+    size = size_of(name)
     torch.manual_seed(0)
-    model = tv.models.get_model(name, **kwargs)
+    model = tv.models.get_model(name, **options(name))
     for m in model.modules():  # dropout off: the comparisons are exact, not in distribution
         if isinstance(m, nn.modules.dropout._DropoutNd) or type(m).__name__ == "StochasticDepth":
             m.p = 0.0
@@ -142,20 +161,20 @@ def main() -> None:
     tally: Counter[tuple[str, str]] = Counter()
     skipped = []
     for name in names:
-        model, x = build(tv, name)
-        params = sum(p.numel() for p in model.parameters())
+        params = parameters(tv, name)
         if params > args.max_params:
             skipped.append(name)
             continue
+        model, x = build(tv, name)
         start = time.perf_counter()
         runs = {
-            "split": compare(model, x, lambda m: dk.split(m, devices, sample=x), train=True, chunks=1),
-            "Pipeline eval": compare(model, x, lambda m: dk.Pipeline(m, devices, chunks=2, sample=x),
+            "split": compare(model, x, lambda m, x=x: dk.split(m, devices, sample=x), train=True, chunks=1),
+            "Pipeline eval": compare(model, x, lambda m, x=x: dk.Pipeline(m, devices, chunks=2, sample=x),
                                      train=False, chunks=1),
-            "Pipeline train": compare(model, x, lambda m: dk.Pipeline(m, devices, chunks=2, sample=x),
+            "Pipeline train": compare(model, x, lambda m, x=x: dk.Pipeline(m, devices, chunks=2, sample=x),
                                       train=True, chunks=2),
         }
-        for what, (verdict, detail) in runs.items():
+        for what, (verdict, _) in runs.items():
             tally[what, verdict] += 1
         line = "; ".join(f"{what} {verdict} ({detail})" for what, (verdict, detail) in runs.items())
         print(f"{name:22s} {params / 1e6:6.1f}M {time.perf_counter() - start:5.1f}s  {line}", flush=True)

@@ -46,6 +46,11 @@ layers treat samples independently; BatchNorm normalises per micro-batch, see be
   to call. So the same seed gives the same outputs every call, and the same as the default
   ``checkpoint``. A call that finds such a draw only after overlapping discards its outputs and
   runs again in order (once: the pipeline remembers).
+* Losses: a scalar output (a transformers ``loss``, a plain model's own mean loss) is joined to
+  the whole batch's: weighted by label tokens where the batch has ``labels`` (checked on the
+  sample), else by micro-batch sizes (:mod:`~devicekit.modelparallel.output_join`). Where the
+  whole batch's value cannot be had (a MoE's load-balancing ``aux_loss``; dropout masks drawn
+  per micro-batch) a :class:`PipelineDiffers` warning says so once.
 * The pipeline stays where it was planned: ``.to(device)``/``.cuda()``/``.cpu()`` are refused
   (see :mod:`devicekit.modelparallel.stays`); dtype casts are fine.
 * BatchNorm layers become :class:`~devicekit.modelparallel.batchnorm.DeferredBatchNorm` (same
