@@ -324,7 +324,7 @@ class MicroBatchRunner:
                 f"dk.Pipeline: dropout draws its masks per micro-batch ({count} per batch), so outputs and "
                 "gradients equal the unsplit model's in distribution, not in value, for the same seed; every "
                 "call with the same seed gives the same result (model.eval() or chunks=1 for the unsplit draws)",
-                PipelineDiffers, stacklevel=5)
+                PipelineDiffers, stacklevel=6)
         in_order = bool(self._shared) and (self.draws_seen or random_active)
         first_backward = records_grad and torch.is_grad_enabled() and not self.pool.ready(count)
         if count > 1 and n > 1 and not in_order and not first_backward:
