@@ -89,7 +89,8 @@ class Turnstile:
     ordered = True
 
     def __init__(self, stages: int, devices: Sequence[torch.device]) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.conds: dict[int, threading.Condition] = {}  # per micro-batch: only i + 1 waits for i
         self.next = [0] * stages
         self.devices = devices
         self.busy = [0.0] * stages
@@ -101,11 +102,17 @@ class Turnstile:
         """The stage micro-batch ``index`` is in (-1: none yet)."""
         return self.where.get(index, -1)
 
+    def _cond(self, index: int) -> threading.Condition:
+        found = self.conds.get(index)
+        if found is None:
+            found = self.conds[index] = threading.Condition(self.lock)
+        return found
+
     def _wait(self, index: int, stage: int) -> None:
         while self.next[stage] != index:
             if self.failure is not None:
                 raise Cancelled
-            self.cond.wait()
+            self._cond(index).wait()
 
     def enter(self, index: int, stage: int) -> None:
         """Micro-batch ``index`` leaves its stage for ``stage`` (the number of stages: done)."""
@@ -114,14 +121,15 @@ class Turnstile:
             return
         self.where[index] = stage
         now = time.perf_counter()
-        with self.cond:
+        with self.lock:
             if current >= 0:
                 self.busy[current] += now - self.since.pop(index, now)
                 self.next[current] = index + 1
+                self._cond(index + 1).notify_all()  # the only micro-batch that can now go on
             for skipped in range(current + 1, min(stage, len(self.next))):  # not called: passed through
                 self._wait(index, skipped)
                 self.next[skipped] = index + 1
-            self.cond.notify_all()
+                self._cond(index + 1).notify_all()
             if stage < len(self.next):
                 self._wait(index, stage)
                 self.since[index] = time.perf_counter()
@@ -129,10 +137,11 @@ class Turnstile:
             torch.cuda.set_device(self.devices[stage])
 
     def fail(self, exc: BaseException) -> None:
-        with self.cond:
+        with self.lock:
             if self.failure is None:
                 self.failure = exc
-            self.cond.notify_all()
+            for cond in self.conds.values():
+                cond.notify_all()
 
 
 class SerialStages:
