@@ -4,7 +4,8 @@ Run: ``/work/main/.venv/bin/python benchmarks/bench_pipeline.py`` (about a minut
 
 Part 1: an 8-layer MLP split over two CPU "devices" (``["cpu", "cpu"]``). The naive split
 (``dk.split``) runs the parts one after another; ``dk.Pipeline`` cuts each batch into ``chunks``
-micro-batches and runs the two stages in its two persistent stage threads. The previous scheme
+micro-batches and runs them in its persistent micro-batch threads (micro-batch i enters a stage once
+micro-batch i - 1 left it). The previous scheme
 (torchgpipe's: new threads on every call, the caller waiting at every clock tick) is measured in
 the same rounds on the same parts. Best and median ratios are both printed (the machine is shared). torch's intra-op threads are limited to 1
 (``torch.set_num_threads(1)``) so that each stage owns one core and the two can overlap: with

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+import devicekit as dk
 from devicekit.modelparallel.microbatch import gather, move, scatter
 from devicekit.placement.walk import map_tensors
 
@@ -51,3 +52,24 @@ def test_fx_immutable_lists_are_rebuilt_not_mutated() -> None:
     args = fx.immutable_collections.immutable_list([torch.ones(2), torch.zeros(2)])
     out = map_tensors(args, lambda t: t + 1)
     assert type(out) is type(args) and torch.equal(out[1], torch.ones(2))
+
+
+def test_fx_immutable_dicts_are_rebuilt_not_mutated() -> None:
+    """A node's kwargs (``x.mean(dim=(2, 3))``) used to raise fx's "'immutable_dict' object does not
+    support mutation" from a pipeline with chunks > 1 (issue 45, item 5)."""
+    kwargs = fx.immutable_collections.immutable_dict({"dim": (2, 3), "t": torch.zeros(2)})
+    out = map_tensors(kwargs, lambda t: t + 1)
+    assert type(out) is type(kwargs) and out["dim"] == (2, 3) and torch.equal(out["t"], torch.ones(2))
+    assert torch.equal(kwargs["t"], torch.zeros(2))
+
+    class MeanPool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.conv(x).mean(dim=(2, 3)))
+
+    model, x = MeanPool(), torch.randn(4, 3, 8, 8)
+    with dk.Pipeline(model, ["cpu", "cpu"], chunks=2, sample=x) as pipe:
+        torch.testing.assert_close(pipe(x), model(x))

@@ -116,6 +116,7 @@ def test_checkpointed_dropout_replays_the_forward_masks() -> None:
     torch.manual_seed(0)
     drops = [RecordingDropout(), RecordingDropout()]
     model = nn.Sequential(nn.Linear(64, 64), drops[0], nn.Linear(64, 64), drops[1], nn.Linear(64, 1))
+    before = set(microbatch_threads())
     with dk.Pipeline(model, ["cpu", "cpu"], chunks=8, balance=[2, 3], checkpoint="always") as pipe:
         for _ in range(4):
             for drop in drops:
@@ -126,12 +127,16 @@ def test_checkpointed_dropout_replays_the_forward_masks() -> None:
                 assert len(again) == 8
                 assert all(any(torch.equal(m, f) for f in first) for m in again)
         pipe.eval()
-        pipe(torch.randn(64, 64))  # no dropout in eval: the stage threads run again
-        assert pipe._workers is not None and len(pipe._workers.threads) == 2
+        pipe(torch.randn(64, 64))  # no dropout in eval: the micro-batch threads run again
+        assert len(set(microbatch_threads()) - before) == 8
 
 
-def test_stages_run_in_their_own_threads_and_errors_come_back() -> None:
-    seen: dict[int, str] = {}
+def microbatch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("devicekit-microbatch-")]
+
+
+def test_micro_batches_run_in_their_own_threads_and_errors_come_back() -> None:
+    seen: set[tuple[int, str]] = set()
 
     class Where(nn.Module):
         def __init__(self, stage: int) -> None:
@@ -139,13 +144,15 @@ def test_stages_run_in_their_own_threads_and_errors_come_back() -> None:
             self.stage = stage
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen[self.stage] = threading.current_thread().name
+            seen.add((self.stage, threading.current_thread().name))
             return x
 
     before = threading.active_count()
     pipe = dk.Pipeline(nn.Sequential(Where(0), Where(1)), ["cpu", "cpu"], chunks=2, balance=[1, 1])
-    pipe(torch.randn(4, 2))
-    assert seen == {0: "devicekit-stage-0", 1: "devicekit-stage-1"}
+    with torch.no_grad():
+        pipe(torch.randn(4, 2))
+    assert seen == {(stage, f"devicekit-microbatch-{i}") for stage in (0, 1) for i in (0, 1)}
+    pipe.close()
 
     class Broken(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -242,4 +242,3 @@ def test_the_first_batch_check_runs_on_parts_already_on_their_devices() -> None:
     assert model.sub_network2.weight.device.type == "meta"
     out = pipe(torch.randn(4, 100))
     assert out.shape == (4, 10) and out.device.type == "meta"
-    assert not pipe._unchecked

@@ -1,4 +1,4 @@
-"""dk.Pipeline's stage threads: started once, reused, in clock order, and never left running."""
+"""dk.Pipeline's micro-batch threads: started once, reused, in clock order, and never left running."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from tests.modelparallel.modelpar_models import MODELS, cnn_bn, sample_for
 
 
 def stage_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("devicekit-stage-")]
+    """The pipeline's micro-batch threads (thread i runs micro-batch i of every call)."""
+    return [t for t in threading.enumerate() if t.name.startswith("devicekit-microbatch-")]
 
 
 def wait_gone(threads: list[threading.Thread]) -> bool:
@@ -50,15 +51,16 @@ def numbered(chunks: int) -> torch.Tensor:
 def test_threads_start_lazily_are_reused_and_stop_on_close() -> None:
     before = stage_threads()
     pipe = dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], chunks=4, checkpoint="never")
-    assert pipe._workers is None or not pipe._workers.threads  # nothing before the first call
     x = sample_for("mlp")
-    first = pipe(x)
-    threads = pipe._workers.threads
-    assert [t.name for t in threads] == ["devicekit-stage-0", "devicekit-stage-1"]
+    first = pipe(x)  # the first call that records gradients counts them in this thread
+    assert stage_threads() == before  # nothing started yet
+    torch.testing.assert_close(pipe(x), first)
+    threads = [t for t in stage_threads() if t not in before]
+    assert sorted(t.name for t in threads) == [f"devicekit-microbatch-{i}" for i in range(4)]
     assert all(t.daemon for t in threads)
     for _ in range(3):
         torch.testing.assert_close(pipe(x), first)
-    assert pipe._workers.threads == threads  # the same threads serve every call
+    assert [t for t in stage_threads() if t not in before] == threads  # the same threads serve every call
     pipe.close()
     assert not any(t.is_alive() for t in threads)
     assert stage_threads() == before
@@ -75,14 +77,13 @@ def test_one_chunk_or_one_stage_runs_in_the_calling_thread() -> None:
     single = dk.Pipeline(nn.Sequential(Log(0, events), Log(0, events)), ["cpu"], chunks=4)
     single(numbered(4))
     assert {name for *_, name in events} == {threading.current_thread().name}
-    assert pipe._workers is None and single._workers is None
     assert pipe.last_run is not None and len(pipe.last_run.busy_seconds) == 2
 
 
 def test_micro_batches_follow_the_clock_order() -> None:
     events: list = []
     model = nn.Sequential(Log(0, events, 0.002), Log(1, events, 0.002), Log(2, events, 0.002))
-    with dk.Pipeline(model, ["cpu"] * 3, chunks=5, balance=[1, 1, 1]) as pipe:
+    with dk.Pipeline(model, ["cpu"] * 3, chunks=5, balance=[1, 1, 1]) as pipe, torch.no_grad():
         pipe(numbered(5))
     at = {(stage, index, what): n for n, (stage, index, what, _) in enumerate(events)}
     assert len(at) == 5 * 3 * 2
@@ -92,8 +93,8 @@ def test_micro_batches_follow_the_clock_order() -> None:
                 assert at[(stage, index, "start")] > at[(stage - 1, index, "end")]
             if index:  # ... and once it has finished the micro-batch before
                 assert at[(stage, index, "start")] > at[(stage, index - 1, "end")]
-    names = {stage: {name for s, _, _, name in events if s == stage} for stage in range(3)}
-    assert names == {j: {f"devicekit-stage-{j}"} for j in range(3)}
+    names = {index: {name for _, i, _, name in events if i == index} for index in range(5)}
+    assert names == {i: {f"devicekit-microbatch-{i}"} for i in range(5)}
 
 
 def test_a_failing_stage_stops_the_call_and_leaves_no_thread() -> None:
@@ -101,7 +102,7 @@ def test_a_failing_stage_stops_the_call_and_leaves_no_thread() -> None:
     events: list = []
     model = nn.Sequential(Log(0, events, fail_on=1), Log(1, events))
     pipe = dk.Pipeline(model, ["cpu", "cpu"], chunks=4, balance=[1, 1])
-    with pytest.raises(RuntimeError, match="boom at micro-batch 1"):
+    with pytest.raises(RuntimeError, match="boom at micro-batch 1"), torch.no_grad():
         pipe(numbered(4))
     assert stage_threads() == before
     # micro-batches after the failure are not run by any stage
@@ -129,9 +130,11 @@ def test_failure_discards_batchnorm_statistics() -> None:
 
 
 def test_garbage_collected_pipeline_stops_its_threads() -> None:
+    before = stage_threads()
     pipe = dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], chunks=2)
-    pipe(sample_for("mlp"))
-    threads = pipe._workers.threads
+    with torch.no_grad():
+        pipe(sample_for("mlp"))
+    threads = [t for t in stage_threads() if t not in before]
     assert len(threads) == 2
     del pipe
     gc.collect()
@@ -141,11 +144,15 @@ def test_garbage_collected_pipeline_stops_its_threads() -> None:
 def test_copies_and_concurrent_callers() -> None:
     pipe = dk.Pipeline(MODELS["mlp"](), ["cpu", "cpu"], chunks=4, checkpoint="never")
     x = sample_for("mlp")
-    want = pipe(x).detach()
-    threads = pipe._workers.threads
+    before = stage_threads()
+    with torch.no_grad():
+        want = pipe(x)
+    threads = [t for t in stage_threads() if t not in before]
     clone = copy.deepcopy(pipe)  # the threads are not copied; the copy starts its own
-    torch.testing.assert_close(clone(x), want)
-    assert pipe._workers.threads == threads and not set(clone._workers.threads) & set(threads)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x), want)
+    mine = [t for t in stage_threads() if t not in before and t not in threads]
+    assert len(threads) == len(mine) == 4 and all(t.is_alive() for t in threads)
     results: list[torch.Tensor] = []
 
     def call() -> None:

@@ -31,11 +31,13 @@ One concept per file, in layers (each imports only those below it):
 * planning and placing: ``module_split`` (hooks place units), ``module_plan`` (units within
   budgets), ``budget_fit`` (fewest GPUs, CPU offload), ``unit_plan`` (measure and group tied
   units), ``layer_plan`` (consecutive parts for a pipeline), ``chain`` (trace a model into
-  stages), ``blocks`` (stages at a model's block boundaries, for a forward run as it is),
-  ``block_pipeline`` (that forward pipelined by hooks and micro-batch threads);
+  stages), ``blocks`` (stages at a model's block boundaries, for a forward run as it is);
+* the pipeline's two engines, one call each, behind ``Pipeline``: ``chain_pipeline`` (a chain of
+  parts) and ``block_pipeline`` (a forward run as it is, cut by hooks); both run micro-batches
+  on ``microbatch_threads`` (the one thread pool: turnstiles, backward order, random draws);
 * pieces: ``module_units``, ``layer_profile``, ``sharing``, ``partition``, ``balance``,
-  ``device_flow``, ``worker``, ``copy_streams``, ``recompute``, ``microbatch``, ``schedule``,
-  ``batchnorm``, ``stays``, ``device_list``, ``call_args``, ``output_join``, ``microbatch_threads``.
+  ``device_flow``, ``copy_streams``, ``recompute``, ``microbatch``, ``schedule``,
+  ``batchnorm``, ``stays``, ``device_list``, ``call_args``, ``output_join``, ``state_guard``.
 
 What it imports: ``placement`` (devices, moving nested tensors), ``hardware`` (the inventory,
 for default budgets; imported inside the function that needs it), ``units`` and ``errors``.

@@ -4,8 +4,10 @@ In a pipeline each BatchNorm sees micro-batches. It normalises each micro-batch 
 micro-batch's statistics (as GPipe does; normalising with the whole batch would need every
 micro-batch before the first can go on), but it *accumulates* the statistics of all
 micro-batches of a mini-batch and updates ``running_mean``/``running_var`` once, with the
-mini-batch's mean and unbiased variance, so the running statistics and ``num_batches_tracked``
-end up as a non-pipelined run's. Micro-batches are combined exactly (Chan's parallel formula).
+mini-batch's mean and unbiased variance: the running statistics and ``num_batches_tracked``
+match one update over all micro-batches' inputs to the layer together (combined exactly, by
+Chan's parallel formula). For the first BatchNorm those are the unsplit model's inputs; past
+it they come from layers normalised per micro-batch, so they differ from an unsplit run's.
 Recomputation under activation checkpointing is not counted twice.
 
 Usage::

@@ -7,7 +7,7 @@ each unit on its device, hooks move inputs, parent code may mix devices), with s
 at its blocks (:mod:`~devicekit.modelparallel.blocks`). A call cuts the batch (positional and
 keyword arguments: ``input_ids``, ``attention_mask``, ``labels``, ``pixel_values``) into
 micro-batches along dimension 0 and runs the model's forward once per micro-batch, each in its
-own thread. A forward pre-hook on the module that begins stage ``k`` is a turnstile: micro-batch
+own thread (:mod:`~devicekit.modelparallel.microbatch_threads`). A forward pre-hook on the module that begins stage ``k`` is a turnstile: micro-batch
 ``i`` enters stage ``k`` only after micro-batch ``i - 1`` has left it, and leaving stage ``k - 1``
 lets micro-batch ``i + 1`` in: GPipe's order (at any moment each stage holds one micro-batch,
 the first device starts micro-batch 2 while the second works on micro-batch 1). Outputs are
@@ -17,10 +17,8 @@ size-weighted mean of the micro-batches' losses).
 * Recompute: with ``checkpoint`` on, each block call of a checkpointed micro-batch keeps only
   its inputs and is recomputed on backward (per block, as Hugging Face's gradient checkpointing
   does; :func:`~devicekit.modelparallel.recompute.checkpointed_call`).
-* Random draws: checkpointing replays a block's random numbers, which needs no other thread to
-  draw from the same generator meanwhile; while dropout is active on stages that share one, or
-  once a call saw draws, micro-batches run one after another in the calling thread (the same
-  results, no overlap). Without checkpointing they overlap.
+* Random draws: see :mod:`~devicekit.modelparallel.microbatch_threads` (while dropout is active
+  on stages that share a generator, micro-batches run one after another: the same draws every call).
 * With ``chunks > 1``, on the sample (or the first batch) the model runs whole, in halves and a
   half doubled (eval, no grad, buffers put back): an output that mixes samples, a scalar that is
   neither a mean nor a sum, a buffer the forward writes (other than BatchNorm's), or a stage
@@ -33,7 +31,7 @@ Usage (``dk.Pipeline`` builds this for such models; call the pipeline, not the e
     engine = BlockPipeline(llama, devices, chunks=2, balance="size", optimizer="adam", stages=None,
                            sample={"input_ids": ids, "labels": ids})
     out, microbatches, busy = engine((), {"input_ids": ids, "labels": ids}, chunks=2,
-                                     checkpoint="except_last", training=True)
+                                     checkpoint="except_last", training=True, discard=lambda: None)
     out.loss.backward()
     engine.close()                     # the micro-batch threads
 """
@@ -43,8 +41,8 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -55,31 +53,27 @@ from devicekit.modelparallel.batchnorm import DeferredBatchNorm
 from devicekit.modelparallel.blocks import plan_blocks
 from devicekit.modelparallel.call_args import as_call
 from devicekit.modelparallel.microbatch import batch_leaves, move, padded, scatter
-from devicekit.modelparallel.microbatch_threads import (
-    Cancelled,
-    MicroThreads,
-    SerialStages,
-    Turnstile,
-    autograd_counter,
-    caller_modes,
-    enter_modes,
-)
+from devicekit.modelparallel.microbatch_threads import MicroBatchRunner, Stages, records_grad
 from devicekit.modelparallel.module_split import ModuleSplit
-from devicekit.modelparallel.output_join import Join, join, learn_join
+from devicekit.modelparallel.output_join import (
+    WEIGHTED,
+    Join,
+    join,
+    label_counts,
+    learn_join,
+    warn_uneven,
+)
 from devicekit.modelparallel.partition import Plan
 from devicekit.modelparallel.recompute import (
     checkpoint_stop,
     checkpointed_call,
     draws_random_numbers,
-    drew_random_numbers,
-    generator_states,
-    shares_a_generator,
 )
-from devicekit.modelparallel.state_guard import StateGuard
+from devicekit.modelparallel.state_guard import StateGuard, refuse_written_buffers
 
 __all__ = ["BlockPipeline"]
 
-_ctx = threading.local()  # the micro-batch this thread runs: .run, .index, .stage, .recompute
+_ctx = threading.local()  # the micro-batch this thread runs: .run (its Stages), .index, .recompute
 
 
 class BlockPipeline:
@@ -111,9 +105,7 @@ class BlockPipeline:
         for name in wrapped:
             _recompute_calls(model.get_submodule(name), name)
         self._random = [m for m in model.modules() if draws_random_numbers(m)]
-        self._shared_generator = shares_a_generator(self.plan.devices)
-        self._draws_random = False
-        self._threads = MicroThreads()
+        self._runner = MicroBatchRunner(self.plan.devices)
 
     @staticmethod
     def _enter(stage: int) -> Any:
@@ -121,14 +113,11 @@ class BlockPipeline:
             run = getattr(_ctx, "run", None)
             if run is None:
                 return  # not a pipelined call (a check, or recomputation during backward)
-            current = _ctx.stage
-            if stage <= current and not isinstance(run, Turnstile):
-                return  # one micro-batch at a time: the order of stages does not matter
-            if stage <= current:
+            current = run.at(_ctx.index)
+            if stage <= current and run.ordered:
                 raise SplitError(f"stage {stage}'s first module ran again after stage {current} began; a "
                                  "pipeline needs its stage modules called once each, in order: use chunks=1")
-            _ctx.stage = stage
-            run.move(_ctx.index, current, stage)
+            run.enter(_ctx.index, stage)
         return pre
 
     @property
@@ -175,17 +164,13 @@ class BlockPipeline:
                 finally:
                     for handle in handles:
                         handle.remove()
-                how = learn_join(run, (args, batch), self.name, chunks)
+                how, uneven = learn_join(run, (args, batch), self.name, chunks)
         finally:
             for m, mode in modes.items():
                 m.training = mode
                 if isinstance(m, DeferredBatchNorm):
                     m.discard()
-        if guard.written:
-            raise SplitError(
-                f"cannot pipeline {self.name} with chunks={chunks}: buffer {guard.written[0]!r} is written in its "
-                f"forward, so run per micro-batch it would be updated {chunks} times per batch where the unsplit "
-                "model updates it once; use chunks=1 or dk.split(model, devices) (BatchNorm statistics are handled)")
+        refuse_written_buffers(self.name, chunks, guard.written)
         want = list(range(1, len(self.cuts) + 1))
         if order != want:
             raise SplitError(
@@ -194,9 +179,22 @@ class BlockPipeline:
                 "use chunks=1 or dk.split(model, devices)")
         self.how = how
         self.unchecked = False
+        warn_uneven(self.name, chunks, uneven)
+
+    @property
+    def parts(self) -> list[nn.Sequential]:
+        """Per device, views of the modules it holds (the model's own forward joins them)."""
+        model = self._model
+        return [nn.Sequential(OrderedDict((n.replace(".", "_"), model.get_submodule(n))
+                                          for n in (*p.layer_names, *p.tied_names))) for p in self.plan.parts]
+
+    @property
+    def layers(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of each stage's layers, in order."""
+        return [(n, self._model.get_submodule(n)) for p in self.plan.parts for n in p.layer_names]
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, chunks: int, checkpoint: str,
-                 training: bool) -> tuple[Any, int, list[float]]:
+                 training: bool, discard: Any) -> tuple[Any, int, list[float]]:
         """The joined output, the number of micro-batches and per-stage busy seconds."""
         args, kwargs = self._call(args, kwargs, chunks)
         if self.unchecked:
@@ -205,78 +203,27 @@ class BlockPipeline:
         calls = scatter((args, batch), chunks) if chunks > 1 else [(args, batch)]
         sizes = [padded(batch_leaves(c)[0]).size(0) if batch_leaves(c) else 1 for c in calls]
         stop = checkpoint_stop(checkpoint, len(calls)) if torch.is_grad_enabled() and training else 0
-        grad = torch.is_grad_enabled()
-        serial = len(calls) == 1 or len(self.plan.parts) == 1 or (stop > 0 and (
-            self._draws_random or (self._shared_generator and any(m.training for m in self._random)))) or (
-            grad and not self._threads.ready(len(calls)))  # first: count each micro-batch's autograd nodes
-        deferred = [m for m in self.model.modules() if isinstance(m, DeferredBatchNorm)]
-        outputs, busy = None, None
-        if not serial:
-            watch = sorted({d for d in self.plan.devices if d.type == "cuda"}, key=str)
-            before = [generator_states(d) for d in watch] or [generator_states(None)]
-            outputs, busy = self._overlapped(calls, shared, stop)
-            after = [generator_states(d) for d in watch] or [generator_states(None)]
-            if stop > 0 and any(drew_random_numbers(b, a) for b, a in zip(before, after, strict=True)):
-                self._draws_random = True  # the replay could use another thread's draws: run in order
-                for bn in deferred:
-                    bn.discard()
-                outputs = None
-        if outputs is None:
-            outputs, busy = self._serial(calls, shared, stop)
-        how = self.how
-        if how is not None and "num_items_in_batch" in shared:  # each loss is a sum / the batch's count
-            how = tuple("sum" if h == "mean" else h for h in how)
-        return join(outputs, sizes, how), len(calls), busy
 
-    def _serial(self, calls: list[Any], shared: dict[str, Any], stop: int) -> tuple[list[Any], list[float]]:
-        book = SerialStages(len(self.plan.parts))
-        outputs = []
-        try:
-            for i, (args, kwargs) in enumerate(calls):
-                _ctx.run, _ctx.index, _ctx.stage, _ctx.recompute = book, i, 0, i < stop
-                book.move(i, -1, 0)
-                start = autograd_counter()
-                outputs.append(self._run_whole(args, {**kwargs, **shared}))
-                self._threads.counted(i, start)
-                book.move(i, _ctx.stage, len(book.busy))
-        finally:
-            _ctx.run, _ctx.recompute = None, False
-        return outputs, book.busy
-
-    def _overlapped(self, calls: list[Any], shared: dict[str, Any], stop: int) -> tuple[list[Any], list[float]]:
-        gate = Turnstile(len(self.plan.parts), self.plan.devices)
-        outputs: list[Any] = [None] * len(calls)
-        modes = caller_modes()
-        pool = self._threads
-
-        def work(i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            _ctx.run, _ctx.index, _ctx.stage, _ctx.recompute = gate, i, 0, i < stop
+        def body(i: int, stages: Stages) -> Any:
+            _ctx.run, _ctx.index, _ctx.recompute = stages, i, i < stop
             try:
-                with ExitStack() as stack:
-                    enter_modes(stack, modes)
-                    gate.move(i, -1, 0)
-                    pool.space(i)  # this micro-batch's autograd nodes after the previous one's
-                    start = autograd_counter()
-                    outputs[i] = self._run_whole(args, {**kwargs, **shared})
-                    pool.counted(i, start)
-                    gate.move(i, _ctx.stage, len(gate.next))
-            except Cancelled:
-                pass
-            except BaseException as exc:
-                gate.fail(exc)
+                return self._run_whole(calls[i][0], {**calls[i][1], **shared})
             finally:
                 _ctx.run, _ctx.recompute = None, False
 
-        pool.run([lambda i=i, call=call: work(i, *call) for i, call in enumerate(calls)])
-        if gate.failure is not None:
-            for bn in (m for m in self.model.modules() if isinstance(m, DeferredBatchNorm)):
-                bn.discard()
-            raise gate.failure
-        return outputs, gate.busy
+        outputs, busy = self._runner.run(len(calls), body, random_active=any(m.training for m in self._random),
+                                         records_grad=records_grad(self._model, calls), discard=discard)
+        how = self.how
+        if how is not None and "num_items_in_batch" in shared:  # each loss is a sum / the batch's count
+            how = tuple("sum" if h in WEIGHTED else h for h in how)
+        found = [label_counts(c) for c in calls]
+        counts = {k: [c[k] for c in found if c is not None] for k in ("tokens", "shifted")} \
+            if all(c is not None for c in found) else None
+        return join(outputs, sizes, how, counts), len(calls), busy
 
     def close(self) -> None:
         """Stop the micro-batch threads (a later call starts new ones)."""
-        self._threads.close()
+        self._runner.close()
 
 
 def _batch_part(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

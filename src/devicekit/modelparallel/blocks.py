@@ -42,6 +42,7 @@ from devicekit.errors import InvalidValueError, SplitError
 from devicekit.modelparallel.balance import balance_cost
 from devicekit.modelparallel.chain import check_stage_names
 from devicekit.modelparallel.layer_profile import optimizer_factor
+from devicekit.modelparallel.module_units import group_count
 from devicekit.modelparallel.partition import Plan, check_counts, plan_from_counts
 from devicekit.modelparallel.unit_plan import Measured, finish_plan, unit_costs
 
@@ -120,8 +121,7 @@ def plan_blocks(
     if named is None and len(starts) < len(devices):
         # fewer blocks than devices, none, or blocks that share weights (ALBERT runs one layer group N
         # times): cut between the units in the order they run instead
-        measured = unit_costs(model, sample, measure_time=timed, at_least=len(devices))
-        starts = [0, *(i for i, (unit, _) in enumerate(measured.sequence) if i and once(unit))]
+        measured, starts = _finest_units(model, sample, timed, len(devices))
         what, where = "unit", "its units"
     if named is None:
         starts[0] = 0  # glue before the first block joins its stage
@@ -167,6 +167,23 @@ def plan_blocks(
     plan = finish_plan(plan, measured.followers, measured.ties, measured.units, measured.repeats)
     placed = {n for p in plan.parts for n in p.layer_names}
     return BlockPlan(plan, cuts, tuple(b for b in blocks if b in placed))
+
+
+def _finest_units(model: nn.Module, sample: Any, timed: bool, devices: int) -> tuple[Measured, list[int]]:
+    """The model's units, opened until ``devices`` of them can begin a stage (called once per
+    forward), or as far as they open: the most stage starts any opening gives. So every count of
+    devices up to that most works (monotone, like ``dk.split``), and a refusal's "at most" too."""
+    at_least, best = devices, None
+    while True:
+        measured = unit_costs(model, sample, measure_time=timed, at_least=at_least)
+        starts = [0, *(i for i, (unit, _) in enumerate(measured.sequence)
+                       if i and measured.calls.get(unit, 1) == 1)]
+        if best is None or len(starts) > len(best[1]):
+            best = (measured, starts)
+        groups = group_count(measured.units)
+        if len(starts) >= devices or groups < at_least:  # enough, or nothing left to open
+            return best
+        at_least = groups + 1  # the next opening (find_units opens one module at a time, in a fixed order)
 
 
 def _hint(measured: Measured, candidates: list[int], devices: int, factor: float) -> str:

@@ -1,12 +1,18 @@
-"""Micro-batch threads for a pipeline run by hooks: stage turnstiles, and backward in the unsplit order.
+"""The pipeline's micro-batch threads: stage turnstiles, backward in the unsplit order, one runner.
 
-:mod:`~devicekit.modelparallel.block_pipeline` runs the model's own forward once per micro-batch,
-micro-batch ``i`` always in thread ``i`` of a :class:`MicroThreads` pool (threads started on
-first use, kept for later calls, stopped by :meth:`MicroThreads.close` or garbage collection).
+Both of :class:`~devicekit.modelparallel.pipeline.Pipeline`'s engines (the traced chain of parts,
+:mod:`~devicekit.modelparallel.chain_pipeline`, and the model's own forward cut by hooks,
+:mod:`~devicekit.modelparallel.block_pipeline`) hand :class:`MicroBatchRunner` one function per
+call, ``body(i, stages)``, that runs micro-batch ``i`` through every stage (it is in stage 0
+when the body starts) and calls ``stages.enter(i, k)`` as it reaches stage ``k``. The runner runs micro-batch ``i`` always in
+thread ``i`` of its :class:`MicroThreads` pool (started on first use, kept for later calls,
+stopped by :meth:`MicroBatchRunner.close`, by garbage collection, or by a failed call), or
+one after another in the calling thread when nothing can overlap.
 
 * :class:`Turnstile`: one call's stage order. Micro-batch ``i`` enters stage ``k`` only after
-  micro-batch ``i - 1`` left it (GPipe's order); a stage a micro-batch never enters (its first
-  module was not called) is passed through in order; a failure wakes every waiting thread.
+  micro-batch ``i - 1`` left it (GPipe's clock order: at tick ``t`` stage ``k`` works on
+  micro-batch ``t - k``); a stage a micro-batch never enters is passed through in order; a failure
+  wakes every waiting thread, and the call's error reaches the caller once every thread stopped.
 * Backward order. torch numbers autograd nodes per thread (``sequence_nr``) and runs ready
   nodes highest number first, so gradients reaching one parameter from several micro-batches
   (every parameter, with 3 or more; a tied embedding and head, with 2) are summed in the order
@@ -18,13 +24,19 @@ first use, kept for later calls, stopped by :meth:`MicroThreads.close` or garbag
   Counters only grow and every thread creates about as many per call, so after the first calls
   nothing needs moving. The first call that records gradients runs its micro-batches in the
   calling thread, which counts each one's nodes.
+* Random draws. Stages that share a generator (two CPU stages, two on one GPU) would draw from
+  it in an order that changes from call to call, so dropout's masks (and checkpointing's replay
+  of them) would differ with the same seed. While a layer that draws is in training mode, or
+  once a call saw a shared generator move, micro-batches run one after another in the calling
+  thread: the draws of the unpipelined order, every call (a call that saw draws only after
+  overlapping is discarded and run again in order, once: the runner remembers). Masks drawn
+  per micro-batch are not the unsplit model's whole-batch masks: a warning says so once.
 
 Usage::
 
-    pool = MicroThreads()
-    gate = Turnstile(stages=2, devices=devices)
-    pool.run([lambda i=i: work(i, gate) for i in range(4)])   # work calls gate.move(...), pool.space(i)
-    pool.close()
+    runner = MicroBatchRunner(devices)
+    outputs, busy = runner.run(4, body, random_active=False, records_grad=True, discard=lambda: None)
+    runner.close()
 """
 
 from __future__ import annotations
@@ -32,14 +44,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-__all__ = ["Turnstile", "SerialStages", "MicroThreads", "Cancelled", "caller_modes", "enter_modes",
-           "autograd_counter"]
+from devicekit.modelparallel.recompute import PipelineDiffers, drew_random_numbers, generator_states
+from devicekit.placement.walk import map_tensors
+
+__all__ = ["MicroBatchRunner", "Stages", "records_grad", "Turnstile", "SerialStages", "MicroThreads", "caller_modes",
+           "enter_modes", "autograd_counter"]
 
 _STOP = object()
 _JOIN_SECONDS = 10.0
@@ -55,34 +73,63 @@ class Cancelled(Exception):
     """Another micro-batch failed: this one stops where it waits."""
 
 
+class Stages(Protocol):
+    """Where each micro-batch of one call is: :class:`Turnstile` (threads) or :class:`SerialStages`."""
+
+    ordered: bool  # True: stages must be entered once each, in order
+
+    def at(self, index: int) -> int: ...
+
+    def enter(self, index: int, stage: int) -> None: ...
+
+
 class Turnstile:
     """One call's stage order: per stage, the micro-batch allowed in next (see the module doc)."""
 
+    ordered = True
+
     def __init__(self, stages: int, devices: Sequence[torch.device]) -> None:
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.conds: dict[int, threading.Condition] = {}  # per micro-batch: only i + 1 waits for i
         self.next = [0] * stages
         self.devices = devices
         self.busy = [0.0] * stages
         self.since: dict[int, float] = {}
+        self.where: dict[int, int] = {}
         self.failure: BaseException | None = None
+
+    def at(self, index: int) -> int:
+        """The stage micro-batch ``index`` is in (-1: none yet)."""
+        return self.where.get(index, -1)
+
+    def _cond(self, index: int) -> threading.Condition:
+        found = self.conds.get(index)
+        if found is None:
+            found = self.conds[index] = threading.Condition(self.lock)
+        return found
 
     def _wait(self, index: int, stage: int) -> None:
         while self.next[stage] != index:
             if self.failure is not None:
                 raise Cancelled
-            self.cond.wait()
+            self._cond(index).wait()
 
-    def move(self, index: int, current: int, stage: int) -> None:
-        """Micro-batch ``index`` leaves stage ``current`` (-1: none yet) for ``stage`` (len: done)."""
+    def enter(self, index: int, stage: int) -> None:
+        """Micro-batch ``index`` leaves its stage for ``stage`` (the number of stages: done)."""
+        current = self.at(index)
+        if stage == current:
+            return
+        self.where[index] = stage
         now = time.perf_counter()
-        with self.cond:
+        with self.lock:
             if current >= 0:
                 self.busy[current] += now - self.since.pop(index, now)
                 self.next[current] = index + 1
+                self._cond(index + 1).notify_all()  # the only micro-batch that can now go on
             for skipped in range(current + 1, min(stage, len(self.next))):  # not called: passed through
                 self._wait(index, skipped)
                 self.next[skipped] = index + 1
-            self.cond.notify_all()
+                self._cond(index + 1).notify_all()
             if stage < len(self.next):
                 self._wait(index, stage)
                 self.since[index] = time.perf_counter()
@@ -90,20 +137,31 @@ class Turnstile:
             torch.cuda.set_device(self.devices[stage])
 
     def fail(self, exc: BaseException) -> None:
-        with self.cond:
+        with self.lock:
             if self.failure is None:
                 self.failure = exc
-            self.cond.notify_all()
+            for cond in self.conds.values():
+                cond.notify_all()
 
 
 class SerialStages:
     """Stage bookkeeping for micro-batches run one after another in the calling thread: busy time."""
 
+    ordered = False
+
     def __init__(self, stages: int) -> None:
         self.busy = [0.0] * stages
         self.since = 0.0
+        self.where: dict[int, int] = {}
 
-    def move(self, index: int, current: int, stage: int) -> None:
+    def at(self, index: int) -> int:
+        return self.where.get(index, -1)
+
+    def enter(self, index: int, stage: int) -> None:
+        current = self.at(index)
+        if stage <= current:
+            return  # one micro-batch at a time: a stage entered again needs no order
+        self.where[index] = stage
         now = time.perf_counter()
         if 0 <= current < len(self.busy):
             self.busy[current] += now - self.since
@@ -227,3 +285,110 @@ class MicroThreads:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
         self.nodes.update(state["nodes"])  # type: ignore[arg-type]
+
+
+def records_grad(model: nn.Module, inputs: Any) -> bool:
+    """True when a forward of ``model`` on ``inputs`` would build an autograd graph."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in model.parameters()):
+        return True
+    found: list[bool] = []
+    map_tensors(inputs, lambda t: found.append(t.requires_grad) or t)
+    return any(found)
+
+
+def shared_generators(devices: Sequence[torch.device]) -> list[torch.device | None]:
+    """The generators two stages draw from: None for the CPU's, a GPU appearing twice."""
+    cpu = [None] if sum(d.type == "cpu" for d in devices) > 1 else []
+    gpus = sorted({d for d in devices if d.type == "cuda" and list(devices).count(d) > 1}, key=str)
+    return [*cpu, *gpus]
+
+
+class MicroBatchRunner:
+    """Runs one call's micro-batches through the stages: in threads, or in order (see the module doc)."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.devices = list(devices)
+        self.pool = MicroThreads()
+        self._shared = shared_generators(self.devices)
+        self.draws_seen = False  # a call saw a shared generator move: later ones run in order
+        self._said_random = False
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return self.pool.threads
+
+    def run(self, count: int, body: Callable[[int, Stages], Any], *, random_active: bool, records_grad: bool,
+            discard: Callable[[], None]) -> tuple[list[Any], list[float]]:
+        """``body(i, stages)`` for each micro-batch: outputs in order and per-stage busy seconds.
+
+        ``random_active``: a layer known to draw random numbers is training; ``records_grad``: the
+        forward builds an autograd graph (grad mode on, a parameter or an input that needs grad);
+        ``discard``: forget what a discarded overlapped run recorded (BatchNorm statistics)."""
+        n = len(self.devices)
+        if random_active and count > 1 and not self._said_random:
+            self._said_random = True
+            warnings.warn(
+                f"dk.Pipeline: dropout draws its masks per micro-batch ({count} per batch), so outputs and "
+                "gradients equal the unsplit model's in distribution, not in value, for the same seed; every "
+                "call with the same seed gives the same result (model.eval() or chunks=1 for the unsplit draws)",
+                PipelineDiffers, stacklevel=6)
+        in_order = bool(self._shared) and (self.draws_seen or random_active)
+        first_backward = records_grad and torch.is_grad_enabled() and not self.pool.ready(count)
+        if count > 1 and n > 1 and not in_order and not first_backward:
+            before = [generator_states(d) for d in self._shared]
+            outputs, busy = self._overlapped(count, body)
+            after = [generator_states(d) for d in self._shared]
+            if not any(drew_random_numbers(b, a) for b, a in zip(before, after, strict=True)):
+                return outputs, busy
+            self.draws_seen = True  # the draws may have interleaved: run again in order
+            discard()
+        return self._serial(count, body)
+
+    def _serial(self, count: int, body: Callable[[int, Stages], Any]) -> tuple[list[Any], list[float]]:
+        stages = SerialStages(len(self.devices))
+        outputs = []
+        for i in range(count):
+            stages.enter(i, 0)
+            start = autograd_counter()
+            outputs.append(body(i, stages))
+            self.pool.counted(i, start)
+            stages.enter(i, len(self.devices))
+        return outputs, stages.busy
+
+    def _overlapped(self, count: int, body: Callable[[int, Stages], Any]) -> tuple[list[Any], list[float]]:
+        gate = Turnstile(len(self.devices), self.devices)
+        outputs: list[Any] = [None] * count
+        modes = caller_modes()
+        pool = self.pool
+
+        def work(i: int) -> None:
+            try:
+                with ExitStack() as stack:
+                    enter_modes(stack, modes)
+                    gate.enter(i, 0)  # after micro-batch i - 1 left stage 0, so after its space()
+                    pool.space(i)  # this micro-batch's autograd nodes after the previous one's
+                    start = autograd_counter()
+                    outputs[i] = body(i, gate)
+                    pool.counted(i, start)
+                    gate.enter(i, len(self.devices))
+            except Cancelled:
+                pass
+            except BaseException as exc:
+                gate.fail(exc)
+
+        try:
+            pool.run([lambda i=i: work(i) for i in range(count)])
+        except BaseException as exc:  # e.g. KeyboardInterrupt while waiting: stop this call's work
+            gate.fail(exc)
+            pool.close()
+            raise
+        if gate.failure is not None:
+            pool.close()  # no thread outlives a failed call
+            raise gate.failure
+        return outputs, gate.busy
+
+    def close(self) -> None:
+        """Stop the micro-batch threads (a later call starts new ones)."""
+        self.pool.close()

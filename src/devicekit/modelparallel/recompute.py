@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,15 +30,19 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from devicekit.errors import SplitError
 from devicekit.placement.walk import map_tensors
 
-__all__ = ["checkpointed", "checkpointed_call", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop",
+__all__ = ["PipelineDiffers", "checkpointed", "checkpointed_call", "is_recomputing", "CHECKPOINT_MODES", "checkpoint_stop",
            "generator_states", "drew_random_numbers", "draws_random_numbers", "shares_a_generator"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+class PipelineDiffers(UserWarning):
+    """A pipeline's result can differ from the unsplit model's on the whole batch (said once, with why)."""
 
 _state = threading.local()
 
@@ -183,10 +188,33 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def starts_in_place(module: nn.Module) -> bool:
-    """True when the first layer ``module`` runs (through nested Sequentials) has ``inplace=True``."""
+    """True when ``module`` may write its own input in place: the first layer it runs (through
+    nested Sequentials) has ``inplace=True``, or a traced stage (an fx ``GraphModule``, as
+    :mod:`~devicekit.modelparallel.chain` makes) hands one of its inputs to such a layer, to a
+    function called with ``inplace=True`` or to an in-place method (``x.relu_()``)."""
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
+    if isinstance(module, fx.GraphModule):
+        inputs: set[fx.Node] = set()
+        for node in module.graph.nodes:  # the placeholders and what is unpacked from them
+            if node.op == "placeholder" or (node.op == "call_function" and node.target is operator.getitem
+                                            and node.args[0] in inputs):
+                inputs.add(node)
+        return any(_writes_in_place(module, user, node) for node in inputs for user in node.users)
     return getattr(module, "inplace", False) is True
+
+
+def _writes_in_place(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> bool:
+    """True when node ``user`` may write ``value`` (its first argument) in place."""
+    if not user.args or user.args[0] is not value:
+        return False
+    if user.op == "call_module":
+        return starts_in_place(gm.get_submodule(str(user.target)))
+    if user.op == "call_method":
+        return str(user.target).endswith("_")
+    if user.op == "call_function":
+        return user.kwargs.get("inplace") is True or getattr(user.target, "__name__", "").endswith("_")
+    return False
 
 
 def generator_states(device: torch.device | None) -> list[torch.Tensor]:

@@ -4,8 +4,8 @@ With ``m`` micro-batches and ``n`` stages there are ``m + n - 1`` ticks; at tick
 ``j`` works on micro-batch ``k - j``. The pipeline fills for ``n - 1`` ticks and drains for
 ``n - 1`` ticks, so with equal stages each one idles a fraction ``(n - 1) / (m + n - 1)`` of
 the time (the "bubble"): more micro-batches, smaller bubble. :class:`~devicekit.modelparallel.pipeline.Pipeline`
-keeps this order without a barrier per tick: each stage takes micro-batch ``i`` once the stage
-before has finished it (:mod:`devicekit.modelparallel.worker`).
+keeps this order without a barrier per tick: micro-batch ``i`` enters a stage once micro-batch
+``i - 1`` has left it (:mod:`devicekit.modelparallel.microbatch_threads`).
 
 Usage::
 

@@ -27,7 +27,19 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["StateGuard"]
+from devicekit.errors import SplitError
+
+__all__ = ["StateGuard", "refuse_written_buffers"]
+
+
+def refuse_written_buffers(name: str, chunks: int, written: Iterable[str]) -> None:
+    """A buffer the forward writes (a step counter) would be written once per micro-batch: refused."""
+    first = next(iter(written), None)
+    if first is not None and chunks > 1:
+        raise SplitError(
+            f"cannot pipeline {name} with chunks={chunks}: buffer {first!r} is written in its forward, so "
+            f"run per micro-batch it would be updated {chunks} times per batch where the unsplit model updates "
+            "it once; use chunks=1 or dk.split(model, devices) (BatchNorm running statistics are handled)")
 
 
 class StateGuard:

@@ -159,11 +159,21 @@ def _mapping(walk: Walk, obj: Mapping[Any, Any]) -> Any:
     if isinstance(obj, MutableMapping):
         out = copy.copy(obj)  # keeps default_factory, order and instance attributes
         walk.memo[id(obj)] = out
+        changed: dict[Any, Any] = {}
         for k, v in obj.items():
             if k not in skip:
                 new = walk(v)
                 if new is not v:
-                    out[k] = new
+                    changed[k] = new
+        try:
+            for k, new in changed.items():
+                out[k] = new
+        except TypeError:  # an immutable mapping (torch.fx's immutable_dict, node kwargs): build anew
+            try:
+                out = type(obj)({**obj, **changed})
+            except TypeError:
+                out = {**obj, **changed}
+            walk.memo[id(obj)] = out
         return out
     items = {k: v if k in skip else walk(v) for k, v in obj.items()}
     try:
