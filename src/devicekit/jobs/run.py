@@ -171,7 +171,8 @@ def step_identity(task: DistEnv, environ: Mapping[str, str]) -> tuple[str | None
         ranks = sorted(int(part) for part in gtids)
     if ranks is None or task.rank not in ranks:
         ranks = list(range(task.local_world_size)) if task.local_world_size > 1 else [task.rank]
-    return f"{job}.{step}.{restart if restart.isdigit() else 0}", ranks
+    cluster = "".join(ch for ch in environ.get("SLURM_CLUSTER_NAME", "") if ch.isalnum())[:32]
+    return f"{cluster or 'slurm'}-{job}.{step}.{restart if restart.isdigit() else 0}", ranks
 
 
 def torchrun_options(world: World, nprocs: int, request: RunRequest) -> list[str]:

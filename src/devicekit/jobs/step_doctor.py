@@ -2,8 +2,8 @@
 
 There every task's ``devicekit run`` supervises one rank, so no one of them sees the others.
 :class:`StepDoctor` gives the tasks of one step on one node one directory, named by the user,
-job, step and restart (``$TMPDIR/devicekit-hang-<uid>-<job>.<step>.<restart>``, mode 0700,
-refused if it is anything but a directory of ours that nobody else can read): every rank
+cluster, job, step and restart (``$TMPDIR/devicekit-hang-<uid>-<cluster>-<job>.<step>.<restart>``,
+mode 0700, refused if it is anything but a directory of ours that nobody else can read): every rank
 records its collectives there as under torchrun, and every task watches all of the node's
 ranks. When the job hangs, the first task to claim the report (an exclusive create) prints and
 saves it, naming the rank and its line; then it marks the step stopped, and every task stops
@@ -76,6 +76,8 @@ class StepDoctor(RunDoctor):
         super().__init__(directory, ranks, hang_timeout, log_dir)
         self.own_rank = own_rank
         self.following = False
+        #: a claim older than this task is a previous run's (a kept directory of a job id reused)
+        self.since = time.time() - 60.0
 
     @classmethod
     def for_plan(cls, plan: RunPlan) -> StepDoctor | None:  # type: ignore[override]
@@ -96,10 +98,17 @@ class StepDoctor(RunDoctor):
         """True once the node's ranks hang, or another task has stopped the step as hung."""
         if self.stopped:
             return False
-        if os.path.exists(self._path(STOPPED_FILE)) or os.path.exists(self._path(CLAIM_FILE)):
+        if self._fresh(STOPPED_FILE) or self._fresh(CLAIM_FILE):
             self.following = True
             return True
         return super().hung()
+
+    def _fresh(self, name: str) -> bool:
+        """``name`` exists and was made by this run of the step (not a kept earlier one)."""
+        try:
+            return os.stat(self._path(name)).st_mtime >= self.since
+        except OSError:
+            return False
 
     def report_and_stop(self, pgid: int) -> None:
         """The first task reports (and stops its rank); the others wait for it, then stop."""
@@ -111,16 +120,21 @@ class StepDoctor(RunDoctor):
                     os.close(os.open(self._path(STOPPED_FILE), os.O_WRONLY | os.O_CREAT, 0o600))
             return
         deadline = time.monotonic() + _FOLLOW_SECONDS
-        while time.monotonic() < deadline and not os.path.exists(self._path(STOPPED_FILE)):
+        while time.monotonic() < deadline and not self._fresh(STOPPED_FILE):
             time.sleep(0.1)  # the reporter is collecting every rank's stack: keep ours alive
         self.stopped = True
         reporter = _read_small(self._path(CLAIM_FILE)) or "another"
-        print(f"devicekit run: rank {self.own_rank}: the step hangs; the report is rank"
-              f" {reporter}'s task's; stopping rank {self.own_rank}", file=sys.stderr, flush=True)
+        print(f"devicekit run: rank {self.own_rank}: the step hangs (rank {reporter}'s devicekit"
+              f" run prints the report); stopping rank {self.own_rank}", file=sys.stderr,
+              flush=True)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
 
     def _claim(self) -> bool:
+        for name in (CLAIM_FILE, STOPPED_FILE):  # an earlier run's, in a kept directory
+            if not self._fresh(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path(name))
         try:
             fd = os.open(self._path(CLAIM_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
