@@ -88,3 +88,20 @@ def test_a_save_after_the_signal_is_noted_for_requeue(tmp_path: Path,
 def test_on_preempt_refuses_what_it_cannot_call() -> None:
     with pytest.raises(dk.InvalidValueError, match="needs a function, got 3"):
         dk.on_preempt(3)  # type: ignore[arg-type]
+
+
+def _one_rank_is_signalled() -> tuple[bool, str | None, bool]:
+    import torch.distributed as tdist
+
+    before = dk.preempted()  # a collective: every rank, at the same point
+    if tdist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        while preemption._state["signal"] is None:
+            time.sleep(0.01)
+    return before, preemption.preempt_signal() if dk.preempted() else None, dk.preempted(sync=False)
+
+
+def test_with_a_process_group_every_rank_agrees_when_one_got_the_signal() -> None:
+    results = dk.launch(_one_rank_is_signalled, nprocs=2, backend="gloo", devices="cpu",
+                        timeout=120)
+    assert results == [(False, "SIGUSR2", True), (False, "SIGUSR2", True)]

@@ -14,10 +14,11 @@ Call :func:`preempted` (or :func:`on_preempt`) once before the loop: that instal
 handlers. Under ``devicekit run`` the ranks start with SIGUSR1/SIGUSR2 ignored (a rank that
 does not poll is not killed by Slurm's warning), and ``devicekit run`` also leaves a marker file
 (``DEVICEKIT_PREEMPT_DIR``) that :func:`preempted` checks, so a warning that came before the
-handlers were in place is not lost.
-A checkpoint saved with ``dk.save_checkpoint`` after the flag is set is noted there too:
-``devicekit run --requeue`` requeues the job only once rank 0 has saved one.
-Standard library only.
+handlers were in place is not lost. In a job with a process group, :func:`preempted` is one
+small all_reduce, so that every rank stops at the same step (call it at the same points on
+every rank). A checkpoint saved with ``dk.save_checkpoint`` after the flag is set is noted
+there too: ``devicekit run --requeue`` requeues the job only once rank 0 has saved one.
+Standard library only, and torch where a process group exists.
 
 Usage::
 
@@ -26,7 +27,7 @@ Usage::
     dk.on_preempt(lambda name: print(f"got {name}, saving"))
     for step in range(start, steps):
         train_step()
-        if dk.preempted():                    # cheap: a flag (and one stat under devicekit run)
+        if dk.preempted():        # a flag; with a process group, one all_reduce of one number
             dk.save_checkpoint(state, f"ckpt/step{step:06d}.pt")
             break
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -108,13 +110,40 @@ def preempt_signal() -> str | None:
     return _state["signal"]
 
 
-def preempted() -> bool:
-    """True once a preemption signal reached this rank; runs :func:`on_preempt` functions once.
+def _agreed(name: str | None) -> str | None:
+    """Every rank's answer, the same on all: the highest signal any rank got (one all_reduce of
+    one number), where a process group of several ranks exists; else this process's own."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() \
+            or dist.get_world_size() < 2:
+        return name
+    import torch
 
-    Call it from the training loop (each step or every few): it is a flag check, plus one
-    ``stat`` of ``devicekit run``'s marker file while none has come.
+    mine = int(signal.Signals[name]) if name else 0
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([mine], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    agreed = int(flag.item())
+    if agreed and _state["signal"] is None:
+        _state["signal"] = signal.Signals(agreed).name  # another rank got it: so do we, now
+    return signal.Signals(agreed).name if agreed else None
+
+
+def preempted(sync: bool = True) -> bool:
+    """True once a preemption signal reached this rank (with ``sync``, any rank of the process
+    group); runs :func:`on_preempt` functions once.
+
+    Call it from the training loop (each step, or every few). With a process group of several
+    ranks it is a collective: every rank must call it at the same points, and all get the same
+    answer (one all_reduce of one number), so all save and stop at the same step even if the
+    signal reached them between two steps. ``sync=False``: this process's own flag only, no
+    collective. Besides that, a flag check plus one ``open`` of ``devicekit run``'s marker
+    file while no signal has come.
     """
     name = preempt_signal()
+    if sync:
+        name = _agreed(name)
     if name is None:
         return False
     while _callbacks:
