@@ -158,7 +158,8 @@ def test_requeue_after_the_save_and_the_restart_resumes_from_the_checkpoint(
     assert f"rank 0 saved a checkpoint; requeued job {job} (scontrol requeue); it restarts" \
            " with SLURM_RESTART_COUNT=1" in out
     deadline = time.monotonic() + 30
-    while "Restarts=1" not in slurm.run(["scontrol", "-o", "show", "job", job]).stdout:
+    while not {"Restarts=1", "JobState=PENDING"} <= set(
+            slurm.run(["scontrol", "-o", "show", "job", job]).stdout.split()):
         assert time.monotonic() < deadline, slurm.run(["scontrol", "show", "job", job]).stdout
         time.sleep(0.1)
     _no_processes_left(job)  # the first run is gone before the second starts
@@ -210,8 +211,7 @@ def test_a_hang_with_one_task_per_rank_names_the_rank_and_line_and_ends_the_step
            " wait in; it is at hang.py:6 in <module>" in out
     assert out.count("hang report (2 ranks)") == 1  # one task reports, not each
     assert "srun exit 124" in out
-    assert "devicekit run: rank 0: the step hangs (rank 1's devicekit run prints the report)" \
-           in out or "devicekit run: rank 1: the step hangs (rank 0's devicekit run prints" in out
+    assert "Traceback" not in out  # rank 0 is stopped with rank 1, not killed by its end
     kept = list(tmp_path.glob("devicekit-hang-*/hang-report.txt"))
     assert len(kept) == 1 and "hang.py:6" in kept[0].read_text()
     _no_processes_left(job)

@@ -96,6 +96,14 @@ class RunDoctor:
 
     def report_and_stop(self, pgid: int) -> None:
         """Print the report, save the full dump, SIGTERM the job's process group."""
+        try:
+            self.report()
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+
+    def report(self) -> None:
+        """Print the report on stderr and save the full dump (the job is stopped after it)."""
         limit = self.watch.limit(self.watch.progress())
         report = diagnose(self.directory, self.watch.ranks)
         print(f"devicekit run: no rank made progress for {limit:g} s while a rank waits in a"
@@ -109,8 +117,6 @@ class RunDoctor:
                       f" {path}", file=sys.stderr)
         finally:
             sys.stderr.flush()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGTERM)
 
     def _save(self, report: HangReport) -> str | None:
         """The report's path: in a new private directory under --log-dir, else in ours."""

@@ -114,10 +114,13 @@ class StepDoctor(RunDoctor):
         """The first task reports (and stops its rank); the others wait for it, then stop."""
         if not self.following and self._claim():
             try:
-                super().report_and_stop(pgid)
-            finally:
+                self.report()
+            finally:  # every rank of the node at once: none dies of another's end, blaming it
+                self._stop_other_ranks()
                 with contextlib.suppress(OSError):
                     os.close(os.open(self._path(STOPPED_FILE), os.O_WRONLY | os.O_CREAT, 0o600))
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGTERM)
             return
         deadline = time.monotonic() + _FOLLOW_SECONDS
         while time.monotonic() < deadline and not self._fresh(STOPPED_FILE):
@@ -129,6 +132,16 @@ class StepDoctor(RunDoctor):
               flush=True)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
+
+    def _stop_other_ranks(self) -> None:
+        """SIGTERM the node's other ranks (their pid files; only processes of this step)."""
+        for rank in self.watch.ranks:
+            if rank == self.own_rank:
+                continue
+            pid = _read_small(self._path(f"rank{rank}.pid"))
+            if pid and _records_in(int(pid), self.directory):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGTERM)
 
     def _claim(self) -> bool:
         for name in (CLAIM_FILE, STOPPED_FILE):  # an earlier run's, in a kept directory
@@ -146,6 +159,7 @@ class StepDoctor(RunDoctor):
     def close(self) -> bool:
         """Remove this rank's files; the directory goes with the last task, unless it holds a
         hang report or torch's dump. True if the step was stopped as hung."""
+        self.stopped = self.stopped or self._fresh(STOPPED_FILE)  # another task stopped it
         prefix = f"rank{self.own_rank}."
         names = _names(self.directory)
         kept = self.keep or any(n.startswith("nccl_trace_rank_") or n == "hang-report.txt"
@@ -171,10 +185,21 @@ def _names(directory: str) -> list[str]:
         return []
 
 
+def _records_in(pid: int, directory: str) -> bool:
+    """``pid`` is a rank that records into ``directory`` (not a pid reused by another process)."""
+    from devicekit.parallel.collective_log import HANG_DIR_ENV
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return f"{HANG_DIR_ENV}={directory}".encode() in handle.read(1 << 20).split(b"\0")
+    except OSError:
+        return False
+
+
 def _read_small(path: str) -> str:
     try:
         with open(path, "rb") as handle:
-            text = handle.read(12).decode("ascii", "replace").strip()
+            text = handle.read(24).decode("ascii", "replace").strip()
     except OSError:
         return ""
     return text if text.isdigit() else ""

@@ -110,8 +110,10 @@ def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -
             return
         roots = children_of(child.pid) if plan.distributed else [child.pid]
         sent = deliver(caught.signo, roots)
-        _say(f"{caught.name} (Slurm's warning: time limit or preemption ahead): passed to"
-             f" {len(sent)} process(es) of the ranks; the job goes on")
+        where = (f"passed to {len(sent)} process(es) of the ranks" if sent else
+                 "no rank has started yet (dk.preempted() will be True in them)")
+        _say(f"{caught.name} (Slurm's warning: time limit or preemption ahead): {where};"
+             " the job goes on")
 
     # torchrun starts each rank in a session of its own: the ranks are not in the child's
     # process group, so remember the child's descendants to stop any it leaves behind
