@@ -139,3 +139,18 @@ def test_only_a_numbered_step_counts_as_an_srun_step(environ: dict[str, str], st
 
 def test_deliver_skips_processes_that_are_gone(tmp_path: Path) -> None:
     assert deliver(signal.SIGUSR1, [2 ** 22 + 12345]) == []
+
+
+def test_the_step_directory_is_private_and_never_one_someone_else_made(tmp_path: Path) -> None:
+    from devicekit.jobs.step_doctor import step_directory
+
+    made = step_directory("c-7.0.0", base=str(tmp_path))
+    assert made is not None and os.stat(made).st_mode & 0o777 == 0o700
+    assert step_directory("c-7.0.0", base=str(tmp_path)) == made  # the step's other task
+    loose = tmp_path / f"devicekit-hang-{os.getuid()}-c-8.0.0"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    assert step_directory("c-8.0.0", base=str(tmp_path)) is None
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", tmp_path / f"devicekit-hang-{os.getuid()}-c-9.0.0")
+    assert step_directory("c-9.0.0", base=str(tmp_path)) is None

@@ -150,7 +150,8 @@ def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -
     _reap_group(child.pid)
     family.stop_survivors()
     hung = doctor is not None and doctor.close()  # always closed: it owns a directory
-    if plan.requeue and preempt.warned and not hung and preempt.first is not None:
+    if plan.requeue and preempt.warned and not hung and preempt.first is not None \
+            and (preempt.saved_by(0) or _hosts_rank_zero(plan)):  # the others leave it to that one
         preempt.ignore_term()  # scontrol requeue stops this job with SIGTERM: finish first
         _say(requeue(plan.env, saved=preempt.saved_by(0), signal_name=preempt.first.name))
     if hung:
@@ -165,6 +166,18 @@ def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -
         return 128 + signals[0]
     return code
 
+
+
+def _hosts_rank_zero(plan: RunPlan) -> bool:
+    """This ``devicekit run`` supervises global rank 0 (as far as its flags tell)."""
+    if not plan.distributed:
+        return plan.env.get("RANK", "0") == "0"
+    argv = plan.argv  # torchrun's options come before --no-python and the command
+    options = argv[:argv.index("--no-python")] if "--no-python" in argv else argv
+    if "--node-rank" in options:
+        where = options.index("--node-rank") + 1
+        return where < len(options) and options[where] == "0"
+    return "--standalone" in options or "--rdzv-backend" not in options
 
 
 def _keep_leases(plan: RunPlan) -> None:
