@@ -154,3 +154,14 @@ def test_the_step_directory_is_private_and_never_one_someone_else_made(tmp_path:
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     os.symlink(tmp_path / "elsewhere", tmp_path / f"devicekit-hang-{os.getuid()}-c-9.0.0")
     assert step_directory("c-9.0.0", base=str(tmp_path)) is None
+
+
+def test_sigterm_lets_a_polling_rank_save_and_never_requeues(tmp_path: Path) -> None:
+    env = _fake_scontrol(tmp_path)
+    proc = _devicekit(tmp_path, "--requeue", "--", "rank.py", str(tmp_path), "save", env=env)
+    _when_ready(tmp_path, proc, 1)
+    os.kill(proc.pid, signal.SIGTERM)  # scancel's signal: save and stop, not a requeue
+    code, out, err = _finish(proc)
+    assert (code, out.strip()) == (0, "rank 0 usr1=0"), err
+    assert (tmp_path / "ckpt.pt").is_file()
+    assert not (tmp_path / "scontrol.log").exists()
