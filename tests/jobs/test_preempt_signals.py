@@ -165,3 +165,16 @@ def test_sigterm_lets_a_polling_rank_save_and_never_requeues(tmp_path: Path) -> 
     assert (code, out.strip()) == (0, "rank 0 usr1=0"), err
     assert (tmp_path / "ckpt.pt").is_file()
     assert not (tmp_path / "scontrol.log").exists()
+
+
+def test_ranks_start_with_the_default_so_lightning_registers_its_handler(tmp_path: Path) -> None:
+    """Lightning's signal connector skips SIGUSR1 when the rank already has a disposition other
+    than the default (an inherited SIG_IGN would silently switch its auto-requeue off)."""
+    code = ("import os, signal; print(os.environ['RANK'],"
+            " signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL,"
+            " signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL)")
+    done = subprocess.run([sys.executable, "-m", "devicekit", "run", "--procs", "2", "--",
+                           sys.executable, "-c", code], env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n"))[-2:] == ["0 True True", "1 True True"], done.stdout

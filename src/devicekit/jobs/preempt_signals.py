@@ -7,9 +7,9 @@ signals the batch shell alone, ``scancel --full`` the shell's process group; ``k
 process. :class:`PreemptSignals` blocks SIGUSR1, SIGUSR2 and SIGTERM in ``devicekit run``'s main
 thread and reads them with ``sigtimedwait``, which names the sender: a signal that came from
 slurmstepd inside an srun step has reached the ranks already and is not sent again; any other
-is delivered to every rank once (:func:`deliver`). Its children start with SIGUSR1/SIGUSR2
-ignored (:func:`child_dispositions`), so torchrun's agent, the guard and a rank that never asks
-survive the warning; a rank that asks (``dk.preempted()``) installs its own handler. The
+is delivered once to every rank that handles it (:func:`deliver`). torchrun's agent and the
+guard outlive the warning (:func:`agent_survives_warnings`); the ranks start with the default
+disposition, so ``dk.preempted()`` or Lightning installs its handler as without devicekit. The
 signal is also written to a marker file in a private directory (``DEVICEKIT_PREEMPT_DIR``),
 where ``dk.preempted()`` finds it even if it came before the rank's handler.
 
@@ -34,7 +34,8 @@ from types import TracebackType
 
 from devicekit.placement.preemption import PREEMPT_DIR_ENV, SIGNAL_FILE, saved_file
 
-__all__ = ["PreemptSignals", "Caught", "deliver", "child_dispositions", "in_srun_step",
+__all__ = ["PreemptSignals", "Caught", "deliver", "child_dispositions", "agent_survives_warnings",
+           "in_srun_step",
            "WARNING_SIGNALS", "CAUGHT_SIGNALS"]
 
 #: Slurm's warnings: passed to the ranks, the job carries on (``--requeue`` acts on these)
@@ -159,12 +160,27 @@ class PreemptSignals:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def child_dispositions() -> None:
-    """In a child before exec: SIGUSR1/SIGUSR2 ignored (inherited through exec by torchrun's
-    agent and the ranks), every signal unblocked (the mask is inherited too)."""
-    for sig in WARNING_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def child_dispositions(ignore_warnings: bool = False) -> None:
+    """In a child before exec: every signal unblocked (the mask is inherited through exec);
+    ``ignore_warnings`` (torchrun's agent): SIGUSR1/SIGUSR2 ignored too."""
+    if ignore_warnings:
+        for sig in WARNING_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, CAUGHT_SIGNALS)
+
+
+def agent_survives_warnings() -> None:
+    """In torchrun's agent (``torchrun_entry``): a handler that does nothing for SIGUSR1 and
+    SIGUSR2 instead of ignoring them, so that the agent outlives Slurm's warning while its ranks
+    start with the default disposition (an ignored signal stays ignored through exec, and
+    Lightning would then take the rank's SIGUSR1 for someone else's and not register its own)."""
+    for sig in WARNING_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(sig, _nothing)
+
+
+def _nothing(_signum: int, _frame: object) -> None:
+    """The agent's handler for Slurm's warnings: devicekit run passes them to the ranks."""
 
 
 def _dispositions(pid: int) -> tuple[int, int] | None:
@@ -183,11 +199,12 @@ def _dispositions(pid: int) -> tuple[int, int] | None:
 
 def deliver(signo: int, roots: Iterable[int],
             children: Callable[[int], Iterable[int]] | None = None) -> list[int]:
-    """Send ``signo`` once to each rank in ``roots``; the pids signalled.
+    """Send ``signo`` once to each rank in ``roots`` that handles it; the pids signalled.
 
-    A rank that ignores the signal (a wrapper shell; ``sh -c 'python train.py'``) is passed
-    over for the first processes below it that do not, so the signal reaches the Python that
-    asked for it, and never the DataLoader workers under a rank that handles it itself.
+    A rank that does not handle it (a wrapper shell, ``sh -c 'python train.py'``, or a command
+    that never asked) is passed over for the first processes below it that do, so the signal
+    reaches the Python that asked for it, never kills one that did not, and never reaches the
+    DataLoader workers under a rank that handles it itself.
     """
     from devicekit.jobs.process_tree import children_of
 
@@ -204,8 +221,8 @@ def deliver(signo: int, roots: Iterable[int],
         masks = _dispositions(pid)
         if masks is None:
             continue
-        ignored, _caught = masks
-        if ignored & bit:
+        _ignored, caught = masks
+        if not caught & bit:  # ignores it, or would die of it: not a process that asked
             todo.extend(below(pid))
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -75,7 +75,8 @@ def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -
             plan.argv,
             env={**plan.env, **tree_env},
             pass_fds=plan.allocation.lease_fds,
-            preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
+            # setpgid, parent-death signal, signal dispositions: nothing else
+            preexec_fn=_agent_setup if plan.distributed else _child_setup,  # noqa: PLW1509
         )
     except OSError as exc:
         if doctor is not None:
@@ -199,9 +200,16 @@ def _stop_marker(plan: RunPlan) -> StopMarker:
     return StopMarker(lease_dir())
 
 
+def _agent_setup() -> None:
+    """The same for torchrun's agent, which also ignores Slurm's warnings (until its entry
+    point replaces that with a handler, so that its ranks start with the default)."""
+    _child_setup()
+    child_dispositions(ignore_warnings=True)
+
+
 def _child_setup() -> None:
     """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies;
-    Slurm's warning signals ignored (a rank that wants them installs its own handler)."""
+    every signal unblocked."""
     os.setpgid(0, 0)
     child_dispositions()
     if sys.platform.startswith("linux"):

@@ -11,10 +11,9 @@ Lightning does after its USR1); ``devicekit run`` kills what is still running af
 period, as Slurm does after ``KillWait``.
 
 Call :func:`preempted` (or :func:`on_preempt`) once before the loop: that installs the
-handlers. Under ``devicekit run`` the ranks start with SIGUSR1/SIGUSR2 ignored (a rank that
-does not poll is not killed by Slurm's warning), and ``devicekit run`` also leaves a marker file
-(``DEVICEKIT_PREEMPT_DIR``) that :func:`preempted` checks, so a warning that came before the
-handlers were in place is not lost. In a job with a process group, :func:`preempted` is one
+handlers. ``devicekit run`` passes the warning only to ranks that handle it, and leaves a
+marker file (``DEVICEKIT_PREEMPT_DIR``) that :func:`preempted` checks, so a warning that came
+before the handlers were in place is not lost. In a job with a process group, :func:`preempted` is one
 small all_reduce, so that every rank stops at the same step (call it at the same points on
 every rank). A checkpoint saved with ``dk.save_checkpoint`` after the flag is set is noted
 there too: ``devicekit run --requeue`` requeues the job only once rank 0 has saved one.
