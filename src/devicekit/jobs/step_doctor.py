@@ -116,11 +116,9 @@ class StepDoctor(RunDoctor):
             try:
                 self.report()
             finally:  # every rank of the node at once: none dies of another's end, blaming it
-                self._stop_other_ranks()
+                self._stop_ranks(pgid)
                 with contextlib.suppress(OSError):
                     os.close(os.open(self._path(STOPPED_FILE), os.O_WRONLY | os.O_CREAT, 0o600))
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGTERM)
             return
         deadline = time.monotonic() + _FOLLOW_SECONDS
         while time.monotonic() < deadline and not self._fresh(STOPPED_FILE):
@@ -133,10 +131,17 @@ class StepDoctor(RunDoctor):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
 
-    def _stop_other_ranks(self) -> None:
-        """SIGTERM the node's other ranks (their pid files; only processes of this step)."""
-        for rank in self.watch.ranks:
+    def _stop_ranks(self, pgid: int) -> None:
+        """SIGTERM every rank of the node (pid files; only processes of this step; our own by
+        its group), those waiting in a collective first: they are the ones that would fail,
+        with a traceback, on a peer's end; the hung ones do not notice."""
+        progress = self.watch.progress()
+        order = sorted(self.watch.ranks,
+                       key=lambda rank: progress.get(rank, {}).get("state") != "started")
+        for rank in order:
             if rank == self.own_rank:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGTERM)
                 continue
             pid = _read_small(self._path(f"rank{rank}.pid"))
             if pid and _records_in(int(pid), self.directory):
