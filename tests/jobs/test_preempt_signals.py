@@ -178,3 +178,28 @@ def test_ranks_start_with_the_default_so_lightning_registers_its_handler(tmp_pat
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split("\n"))[-2:] == ["0 True True", "1 True True"], done.stdout
+
+
+def test_a_sigterm_after_the_warning_cancels_the_requeue(tmp_path: Path) -> None:
+    env = _fake_scontrol(tmp_path)
+    script = tmp_path / "slow.py"  # handles both, saves, and is still saving when TERM comes
+    script.write_text(
+        "import os, sys, time, devicekit as dk\n"
+        "dk.preempted()\nopen(os.path.join(sys.argv[1], 'ready.0'), 'w').close()\n"
+        "while not dk.preempted():\n    time.sleep(0.02)\n"
+        "open(os.path.join(sys.argv[1], 'warned'), 'w').close()\n"
+        "time.sleep(1.5)\n"
+        "dk.save_checkpoint({'s': 1}, os.path.join(sys.argv[1], 'ckpt.pt'))\n")
+    proc = subprocess.Popen([sys.executable, "-m", "devicekit", "run", "--requeue", "--",
+                             str(script), str(tmp_path)], env=child_env(**env), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _when_ready(tmp_path, proc, 1)
+    os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "warned").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # the user cancels the warned job
+    code, _, err = _finish(proc)
+    assert (tmp_path / "ckpt.pt").is_file(), err
+    assert not (tmp_path / "scontrol.log").exists()
+    assert "SIGUSR1, then SIGTERM (scancel or the time limit): not requeued" in err

@@ -80,6 +80,8 @@ class PreemptSignals:
         self.step = in_srun_step(self.environ)
         self.directory = tempfile.mkdtemp(prefix="devicekit-preempt-")
         self.first: Caught | None = None
+        #: a SIGTERM came (then the job is never requeued: it is being stopped)
+        self.terminated = False
         self._late: list[int] = []
         self._previous: dict[int, object] = {}
         self._mask: set[int] | None = None
@@ -118,6 +120,8 @@ class PreemptSignals:
         return found
 
     def _record(self, caught: Caught) -> None:
+        if caught.signo == signal.SIGTERM:
+            self.terminated = True  # scancel, the time limit, a preemption: the job is to end
         if self.first is None:
             self.first = caught
         with contextlib.suppress(OSError):

@@ -1,7 +1,8 @@
 """``devicekit run --requeue``: after a preemption warning and rank 0's save, requeue the job.
 
 Once the ranks have exited after Slurm's warning (SIGUSR1 or SIGUSR2; SIGTERM is how
-``scancel`` stops a job, so it never requeues) and rank 0 saved a checkpoint with
+``scancel`` stops a job, so it never requeues, and one after the warning cancels the requeue)
+and rank 0 saved a checkpoint with
 ``dk.save_checkpoint`` after it, the ``devicekit run`` that hosts rank 0 runs ``scontrol requeue
 $SLURM_JOB_ID``. Slurm then stops the job with SIGTERM (ignored from here on, so the clean-up
 finishes) and starts it again later with ``SLURM_RESTART_COUNT`` one higher, where

@@ -153,8 +153,11 @@ def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -
     hung = doctor is not None and doctor.close()  # always closed: it owns a directory
     if plan.requeue and preempt.warned and not hung and preempt.first is not None \
             and (preempt.saved_by(0) or _hosts_rank_zero(plan)):  # the others leave it to that one
-        preempt.ignore_term()  # scontrol requeue stops this job with SIGTERM: finish first
-        _say(requeue(plan.env, saved=preempt.saved_by(0), signal_name=preempt.first.name))
+        if preempt.terminated:  # scancel (or the limit) after the warning: it must stay stopped
+            _say(f"{preempt.first.name}, then SIGTERM (scancel or the time limit): not requeued")
+        else:
+            preempt.ignore_term()  # scontrol requeue stops this job with SIGTERM: finish first
+            _say(requeue(plan.env, saved=preempt.saved_by(0), signal_name=preempt.first.name))
     if hung:
         return HANG_EXIT_CODE
     if limit is not None and limit.reached:
