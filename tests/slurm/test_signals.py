@@ -153,6 +153,7 @@ def test_requeue_after_the_save_and_the_restart_resumes_from_the_checkpoint(
     _wait_for_text(tmp_path, job, "starts at step 0", count=2)
     assert slurm.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
     _wait_for_text(tmp_path, job, "requeued job")
+    requeued = time.time()
     out = _out(tmp_path, job)
     step = int(out.split(" saved at step ")[1].split()[0])
     assert f"rank 0 saved a checkpoint; requeued job {job} (scontrol requeue); it restarts" \
@@ -163,10 +164,14 @@ def test_requeue_after_the_save_and_the_restart_resumes_from_the_checkpoint(
         assert time.monotonic() < deadline, slurm.run(["scontrol", "show", "job", job]).stdout
         time.sleep(0.1)
     _no_processes_left(job)  # the first run is gone before the second starts
-    # Slurm holds a requeued job for two minutes (its BeginTime); start it now, as it then would
+    # Slurm holds a requeued job for two minutes (its BeginTime); start it now, as it then would.
+    # Not within the second of the requeue's kill: slurmd refuses a launch credential made in
+    # the second its job's credentials were revoked ("Job N already killed, do not launch")
+    time.sleep(max(0.0, requeued + 2.0 - time.time()))
     held = slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     assert held.returncode == 0, held.stderr
-    assert slurm.wait_for_job(job, timeout=90) == "COMPLETED", _out(tmp_path, job)
+    state = slurm.wait_for_job(job, timeout=90)
+    assert state == "COMPLETED", f"{_out(tmp_path, job)}\n{slurm.logs()}"
     out = _out(tmp_path, job)
     assert out.count(f"starts at step {step} restart=1") == 2, out
     assert out.count("finished at step 60") == 2, out
