@@ -83,6 +83,10 @@ _EXPORTS: dict[str, str] = {
     "Prefetcher": "devicekit.placement.prefetch:Prefetcher",
     "save_checkpoint": "devicekit.placement.checkpoint:save_checkpoint",
     "load_checkpoint": "devicekit.placement.checkpoint:load_checkpoint",
+    "latest_checkpoint": "devicekit.placement.resume:latest_checkpoint",
+    "resume": "devicekit.placement.resume:resume",
+    "preempted": "devicekit.placement.preemption:preempted",
+    "on_preempt": "devicekit.placement.preemption:on_preempt",
     "half": "devicekit.placement.precision:half",
     "mixed_precision": "devicekit.placement.precision:mixed_precision",
     "performance_mode": "devicekit.placement.modes:performance_mode",
@@ -197,7 +201,9 @@ if TYPE_CHECKING:  # every name of _EXPORTS, for type checkers and IDEs (tests/t
     from devicekit.placement.metric_log import MetricLog, RunningMean
     from devicekit.placement.modes import deterministic_mode, performance_mode
     from devicekit.placement.precision import half, mixed_precision
+    from devicekit.placement.preemption import on_preempt, preempted
     from devicekit.placement.prefetch import Prefetcher
+    from devicekit.placement.resume import latest_checkpoint, resume
     from devicekit.placement.sync_guard import sync_guard
     from devicekit.placement.transfer import device_of, pin_memory, to_device
     from devicekit.selection.choose import select_gpus

@@ -154,6 +154,10 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               help="With several processes: when no rank makes progress this long while one"
                    " waits in a collective, print a report naming the rank to look at and stop"
                    " the job (exit 124); 0: never.")
+@click.option("--requeue", is_flag=True,
+              help="In a Slurm job: once the ranks have exited after Slurm's warning signal"
+                   " (--signal=USR1@90) and rank 0 saved a checkpoint (dk.save_checkpoint),"
+                   " run 'scontrol requeue $SLURM_JOB_ID'; dk.resume(DIR) loads it on restart.")
 @click.option("--name", "job_name", metavar="NAME", default=None,
               help="The job id its leases carry, shown by status, serve and the lab view"
                    " (1-64 letters, digits or ._:@+=-); default: DEVICEKIT_JOB_ID when set,"

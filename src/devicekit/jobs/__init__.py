@@ -4,7 +4,9 @@ Everything ``devicekit run`` and ``dk.launch`` do before and around the ranks: r
 asked (``request``), the world an outer launcher (srun, mpirun, torchrun, a Kubeflow pod) already
 set (``outer``, ``run_world``), lease devices and share them among processes (``allocation``),
 build and start the command, directly or under torchrun (``run``, ``torchrun_entry``), and
-supervise it: signals, exit codes, no orphans (``supervise``); ``dk.launch(fn)`` from Python with
+supervise it: signals, exit codes, no orphans (``supervise``), Slurm's warning signals and
+``--requeue`` (``preempt_signals``, ``requeue``), hangs (``run_doctor``; ``step_doctor`` when
+srun starts the ranks); ``dk.launch(fn)`` from Python with
 its rank processes (``launch``, ``rank_process``) and thread counts (``threads``).
 What runs *inside* a rank (process group, DDP, FSDP) is :mod:`devicekit.parallel`, one floor down.
 (Named ``jobs``, not ``launch``, so that the package does not shadow the function ``dk.launch``.)

@@ -31,7 +31,7 @@ import sys
 import time
 from types import TracebackType
 
-__all__ = ["ProcessTree", "die_with_parent", "GRACE_SECONDS", "TOKEN_ENV"]
+__all__ = ["ProcessTree", "die_with_parent", "children_of", "GRACE_SECONDS", "TOKEN_ENV"]
 
 #: how long descendants left behind get between SIGTERM and SIGKILL
 GRACE_SECONDS = 3.0
@@ -82,6 +82,11 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid``, in pid order (from /proc; [] where it has gone)."""
+    return sorted(_children(pid))
+
+
 def _descendants(pid: int, skip: set[int]) -> set[int]:
     """Every descendant of ``pid``, leaving out the subtrees rooted at ``skip``."""
     seen: set[int] = set()
@@ -125,8 +130,12 @@ TOKEN_ENV = "DEVICEKIT_RUN_TOKEN"
 # The guard: a tiny process (no devicekit import) that waits for EOF on its stdin, the read end
 # of a pipe only ``devicekit run`` holds. EOF means run has exited, normally or by SIGKILL; the
 # guard then stops every process still marked with the run's token (normally none is left).
+# It ignores the signals Slurm sends to every process of a step (SIGUSR1 warnings, scancel's
+# SIGTERM): it must outlive the job's processes to stop those left behind.
 _GUARD = """
 import os, signal, sys, time
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, signal.SIG_IGN)  # Slurm signals every process: the guard outlives them
 token = sys.argv[1].encode()
 sys.stdin.buffer.read()
 def marked():

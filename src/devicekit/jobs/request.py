@@ -56,6 +56,8 @@ class RunRequest:
     #: seconds without progress while a rank waits in a collective before the job is stopped
     #: as hung (a report names the rank); None or 0: never
     hang_timeout: float | None = 600.0
+    #: after Slurm's warning signal and rank 0's save: ``scontrol requeue $SLURM_JOB_ID``
+    requeue: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes is not None:
@@ -92,6 +94,12 @@ class RunPlan:
     hang_timeout: float | None = None
     #: ``--log-dir``: where a hang report is saved
     log_dir: str | None = None
+    #: ``--requeue``: requeue the Slurm job after a warning signal and rank 0's save
+    requeue: bool = False
+    #: one rank an outer launcher started (``srun -n N devicekit run``): its step's identity
+    #: for the hang doctor shared by the node's tasks, and this node's global ranks
+    step: str | None = None
+    step_ranks: list[int] | None = None
 
     @property
     def distributed(self) -> bool:

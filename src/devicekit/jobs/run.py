@@ -35,6 +35,7 @@ from devicekit.hardware.printable import printable
 from devicekit.jobs.allocation import Allocation, allocate
 from devicekit.jobs.preflight import check_command, check_request, interpreter_warning
 from devicekit.jobs.request import TORCHRUN_ENTRY, RunPlan, RunRequest
+from devicekit.jobs.requeue import check_requeue
 from devicekit.jobs.run_world import World, asked_procs, resolve_world
 from devicekit.jobs.supervise import execute
 from devicekit.jobs.threads import omp_threads, usable_cores
@@ -79,6 +80,11 @@ def plan_run(request: RunRequest, environ: Mapping[str, str] | None = None) -> R
                               f" ({planned:g} s, its file was changed while waiting): that holds")
             limit = planned
         plan.time_limit = enforced_limit(limit, plan, allocation.on_gpu)
+        plan.requeue = request.requeue
+        if request.requeue:
+            why = check_requeue(environ)
+            if why is not None:
+                plan.notes.append(why)
         warning = interpreter_warning(request.command, plan.env)  # 'python' without the venv
         if warning is not None:
             plan.notes.append(warning)
@@ -127,7 +133,9 @@ def _build(request: RunRequest, world: World, allocation: Allocation,
             env[OWN_DEVICES_ENV] = "1"  # CUDA_VISIBLE_DEVICES holds this rank's GPU(s) alone
             notes.append("this rank sees only its own GPU(s), as cuda:0 (dk.dist.device() says so;"
                          " not cuda:LOCAL_RANK)")
-        return RunPlan(command, env, allocation, notes)
+        step, ranks = step_identity(world.task, environ)
+        return RunPlan(command, env, allocation, notes, hang_timeout=request.hang_timeout,
+                       log_dir=request.log_dir, step=step, step_ranks=ranks)
     # torchrun's own options: then even one process runs under torchrun, never ignoring them
     torchrun_only = (request.max_restarts or request.log_dir or request.standalone
                      or request.rdzv_backend or request.rdzv_endpoint or request.rdzv_id)
@@ -148,6 +156,23 @@ def _build(request: RunRequest, world: World, allocation: Allocation,
     notes.append(_torchrun_note(world, allocation.nprocs))
     return RunPlan(argv, env, allocation, notes, hang_timeout=request.hang_timeout,
                    log_dir=request.log_dir)
+
+
+def step_identity(task: DistEnv, environ: Mapping[str, str]) -> tuple[str | None, list[int] | None]:
+    """For one rank of an ``srun`` step with several tasks: the step's name on this node (job,
+    step, restart) and this node's global ranks (``SLURM_GTIDS``); (None, None) otherwise."""
+    job, step = environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_STEP_ID", "")
+    if task.source != "slurm" or task.world_size < 2 or not (job.isdigit() and step.isdigit()):
+        return None, None
+    restart = environ.get("SLURM_RESTART_COUNT", "0")
+    ranks = None
+    gtids = [part.strip() for part in environ.get("SLURM_GTIDS", "").split(",")]
+    if gtids and all(part.isdigit() for part in gtids):
+        ranks = sorted(int(part) for part in gtids)
+    if ranks is None or task.rank not in ranks:
+        ranks = list(range(task.local_world_size)) if task.local_world_size > 1 else [task.rank]
+    cluster = "".join(ch for ch in environ.get("SLURM_CLUSTER_NAME", "") if ch.isalnum())[:32]
+    return f"{cluster or 'slurm'}-{job}.{step}.{restart if restart.isdigit() else 0}", ranks
 
 
 def torchrun_options(world: World, nprocs: int, request: RunRequest) -> list[str]:

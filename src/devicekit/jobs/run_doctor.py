@@ -49,7 +49,7 @@ from devicekit.parallel import boot
 if TYPE_CHECKING:
     from devicekit.jobs.request import RunPlan
 
-__all__ = ["RunDoctor", "HANG_EXIT_CODE", "FLIGHT_RECORDER_ENTRIES", "TORCH_DUMP_ENVS",
+__all__ = ["RunDoctor", "record_in", "HANG_EXIT_CODE", "FLIGHT_RECORDER_ENTRIES", "TORCH_DUMP_ENVS",
            "TORCH_DUMP_PREFIX"]
 
 #: where torch's Flight Recorder writes its dump on an NCCL timeout or error (the newer name
@@ -80,14 +80,7 @@ class RunDoctor:
         if not plan.distributed or not timeout:
             return None
         directory = tempfile.mkdtemp(prefix="devicekit-hang-")
-        plan.env[HANG_DIR_ENV] = directory
-        plan.env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
-        if not any(plan.env.get(name) for name in TORCH_DUMP_ENVS):  # the user's own choice wins
-            for name in TORCH_DUMP_ENVS:
-                plan.env[name] = os.path.join(directory, TORCH_DUMP_PREFIX)
-        # ranks that call torch's own init_process_group record too (boot/sitecustomize.py)
-        plan.env["PYTHONPATH"] = os.pathsep.join(
-            [boot.DIRECTORY, *filter(None, [plan.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])
+        record_in(plan, directory)
         return cls(directory, _local_ranks(plan), float(timeout), getattr(plan, "log_dir", None))
 
     def hung(self) -> bool:
@@ -103,6 +96,14 @@ class RunDoctor:
 
     def report_and_stop(self, pgid: int) -> None:
         """Print the report, save the full dump, SIGTERM the job's process group."""
+        try:
+            self.report()
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+
+    def report(self) -> None:
+        """Print the report on stderr and save the full dump (the job is stopped after it)."""
         limit = self.watch.limit(self.watch.progress())
         report = diagnose(self.directory, self.watch.ranks)
         print(f"devicekit run: no rank made progress for {limit:g} s while a rank waits in a"
@@ -116,8 +117,6 @@ class RunDoctor:
                       f" {path}", file=sys.stderr)
         finally:
             sys.stderr.flush()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGTERM)
 
     def _save(self, report: HangReport) -> str | None:
         """The report's path: in a new private directory under --log-dir, else in ours."""
@@ -149,6 +148,19 @@ class RunDoctor:
         if not (self.keep or dumps):
             shutil.rmtree(self.directory, ignore_errors=True)
         return self.stopped
+
+
+def record_in(plan: RunPlan, directory: str) -> None:
+    """Set the ranks' variables: record collectives in ``directory`` (also ranks that call
+    torch's own ``init_process_group``), torch's Flight Recorder and its dumps there."""
+    plan.env[HANG_DIR_ENV] = directory
+    plan.env[FLIGHT_RECORDER_ENV] = FLIGHT_RECORDER_ENTRIES  # NCCL groups only
+    if not any(plan.env.get(name) for name in TORCH_DUMP_ENVS):  # the user's own choice wins
+        for name in TORCH_DUMP_ENVS:
+            plan.env[name] = os.path.join(directory, TORCH_DUMP_PREFIX)
+    # ranks that call torch's own init_process_group record too (boot/sitecustomize.py)
+    plan.env["PYTHONPATH"] = os.pathsep.join(
+        [boot.DIRECTORY, *filter(None, [plan.env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))])])
 
 
 def _torch_dumps(directory: str) -> list[str]:

@@ -2,9 +2,12 @@
 
 The command runs in its own process group and gets SIGTERM if ``devicekit run`` dies
 (``PR_SET_PDEATHSIG``); SIGINT, SIGTERM and SIGHUP are forwarded to its group (killed after
-:data:`KILL_AFTER_SECONDS`); on a terminal it is the foreground group; descendants it leaves
-behind in other sessions (torchrun's ranks) are stopped when it exits. The exit code comes back
-as a shell gives it (128 + N for death by signal N).
+:data:`KILL_AFTER_SECONDS`), except a SIGTERM Slurm sent to every process of the step itself;
+Slurm's warnings (SIGUSR1, SIGUSR2) are passed to every rank once and the job goes on
+(:mod:`devicekit.jobs.preempt_signals`; ``--requeue``: :mod:`devicekit.jobs.requeue`); on a
+terminal it is the foreground group; descendants it leaves behind in other sessions (torchrun's
+ranks) are stopped when it exits. The exit code comes back as a shell gives it (128 + N for
+death by signal N).
 
 Usage::
 
@@ -27,8 +30,17 @@ from typing import TYPE_CHECKING
 
 from devicekit.errors import CommandNotFoundError
 from devicekit.hardware.printable import printable
-from devicekit.jobs.process_tree import ProcessTree
-from devicekit.jobs.run_doctor import HANG_EXIT_CODE, RunDoctor
+from devicekit.jobs.preempt_signals import (
+    WARNING_SIGNALS,
+    Caught,
+    PreemptSignals,
+    child_dispositions,
+    deliver,
+)
+from devicekit.jobs.process_tree import ProcessTree, children_of
+from devicekit.jobs.requeue import requeue
+from devicekit.jobs.run_doctor import HANG_EXIT_CODE
+from devicekit.jobs.step_doctor import doctor_for
 from devicekit.sharing.stopped_jobs import StopMarker
 
 if TYPE_CHECKING:
@@ -38,7 +50,8 @@ __all__ = ["execute", "KILL_AFTER_SECONDS"]
 
 #: after forwarding a signal, how long the child may take before its group is killed
 KILL_AFTER_SECONDS = 15.0
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: forwarded to the command's process group by a plain handler (SIGTERM: PreemptSignals)
+_FORWARDED = (signal.SIGINT, signal.SIGHUP)
 
 
 def execute(plan: RunPlan) -> int:
@@ -47,18 +60,23 @@ def execute(plan: RunPlan) -> int:
     Every process the command leaves behind, daemons included, is stopped before this returns
     (:mod:`devicekit.jobs.process_tree`), so the leases end with the last of them.
     """
-    with ProcessTree() as tree:
-        return _execute(plan, tree.env())
+    with ProcessTree() as tree, PreemptSignals(plan.env) as caught:
+        return _execute(plan, {**tree.env(), **caught.env()}, caught)
 
 
-def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
-    doctor = RunDoctor.for_plan(plan)  # torchrun jobs: a hang is reported and stopped
+def _say(line: str) -> None:
+    print(f"devicekit run: {line}", file=sys.stderr, flush=True)
+
+
+def _execute(plan: RunPlan, tree_env: dict[str, str], preempt: PreemptSignals) -> int:
+    doctor = doctor_for(plan)  # several ranks: a hang is reported and stopped
     try:
         child = subprocess.Popen(
             plan.argv,
             env={**plan.env, **tree_env},
             pass_fds=plan.allocation.lease_fds,
-            preexec_fn=_child_setup,  # noqa: PLW1509 - setpgid + parent-death signal, nothing else
+            # setpgid, parent-death signal, signal dispositions: nothing else
+            preexec_fn=_agent_setup if plan.distributed else _child_setup,  # noqa: PLW1509
         )
     except OSError as exc:
         if doctor is not None:
@@ -77,6 +95,27 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signum)
 
+    def take(caught: Caught) -> None:
+        """A signal read with its sender: a warning goes to the ranks, SIGTERM to the group."""
+        if caught.signo not in WARNING_SIGNALS:
+            if caught.reached_ranks:  # Slurm stops every process of the step itself
+                forwarded.append(time.monotonic())
+                signals.append(caught.signo)
+                _say(f"{caught.name} from Slurm to every process of the step: stopping")
+            else:
+                forward(caught.signo, None)
+            return
+        if caught.reached_ranks:
+            _say(f"{caught.name} from Slurm (time limit or preemption ahead): Slurm gave it to"
+                 " every rank itself; the job goes on")
+            return
+        roots = children_of(child.pid) if plan.distributed else [child.pid]
+        sent = deliver(caught.signo, roots)
+        where = (f"passed to {len(sent)} process(es) of the ranks" if sent else
+                 "no rank has started yet (dk.preempted() will be True in them)")
+        _say(f"{caught.name} (Slurm's warning: time limit or preemption ahead): {where};"
+             " the job goes on")
+
     # torchrun starts each rank in a session of its own: the ranks are not in the child's
     # process group, so remember the child's descendants to stop any it leaves behind
     family = _Descendants(child.pid)
@@ -92,6 +131,8 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
                 break
             except subprocess.TimeoutExpired:
                 ticks += 1
+                for caught in preempt.poll():
+                    take(caught)
                 marker.update(child.pid)  # Ctrl-Z: status tells since when the job is stopped
                 if ticks % 5 == 1:
                     family.update()
@@ -105,10 +146,18 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
                     family.update()
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(child.pid, signal.SIGKILL)
+    preempt.poll()  # what came as the command ended is recorded, not passed on
     marker.clear()
     _reap_group(child.pid)
     family.stop_survivors()
     hung = doctor is not None and doctor.close()  # always closed: it owns a directory
+    if plan.requeue and preempt.warned and not hung and preempt.first is not None \
+            and (preempt.saved_by(0) or _hosts_rank_zero(plan)):  # the others leave it to that one
+        if preempt.terminated:  # scancel (or the limit) after the warning: it must stay stopped
+            _say(f"{preempt.first.name}, then SIGTERM (scancel or the time limit): not requeued")
+        else:
+            preempt.ignore_term()  # scontrol requeue stops this job with SIGTERM: finish first
+            _say(requeue(plan.env, saved=preempt.saved_by(0), signal_name=preempt.first.name))
     if hung:
         return HANG_EXIT_CODE
     if limit is not None and limit.reached:
@@ -121,6 +170,18 @@ def _execute(plan: RunPlan, tree_env: dict[str, str]) -> int:
         return 128 + signals[0]
     return code
 
+
+
+def _hosts_rank_zero(plan: RunPlan) -> bool:
+    """This ``devicekit run`` supervises global rank 0 (as far as its flags tell)."""
+    if not plan.distributed:
+        return plan.env.get("RANK", "0") == "0"
+    argv = plan.argv  # torchrun's options come before --no-python and the command
+    options = argv[:argv.index("--no-python")] if "--no-python" in argv else argv
+    if "--node-rank" in options:
+        where = options.index("--node-rank") + 1
+        return where < len(options) and options[where] == "0"
+    return "--standalone" in options or "--rdzv-backend" not in options
 
 
 def _keep_leases(plan: RunPlan) -> None:
@@ -142,9 +203,18 @@ def _stop_marker(plan: RunPlan) -> StopMarker:
     return StopMarker(lease_dir())
 
 
+def _agent_setup() -> None:
+    """The same for torchrun's agent, which also ignores Slurm's warnings (until its entry
+    point replaces that with a handler, so that its ranks start with the default)."""
+    _child_setup()
+    child_dispositions(ignore_warnings=True)
+
+
 def _child_setup() -> None:
-    """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies."""
+    """In the child before exec: its own process group; SIGTERM when ``devicekit run`` dies;
+    every signal unblocked."""
     os.setpgid(0, 0)
+    child_dispositions()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)

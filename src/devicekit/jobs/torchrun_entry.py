@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from devicekit.jobs.preempt_signals import agent_survives_warnings
+
+    agent_survives_warnings()  # Slurm's SIGUSR1 reaches every process of a step
     args = parse_args(argv)
     try:
         run(args)

@@ -6,6 +6,8 @@ One concept per module:
 - ``transfer``: ``to_device``, ``pin_memory``, ``device_of`` for whole batches
 - ``prefetch``: ``Prefetcher``, next batch copied on a side CUDA stream
 - ``checkpoint``: atomic ``save_checkpoint``, device-mapping ``load_checkpoint``
+- ``resume``: ``latest_checkpoint``, ``resume`` (the newest readable checkpoint, after a requeue)
+- ``preemption``: ``preempted``, ``on_preempt`` (Slurm's warning signal as a flag in a rank)
 - ``precision``: ``half`` (norm layers kept fp32), ``mixed_precision``
 - ``modes``: ``performance_mode``, ``deterministic_mode`` (undoable)
 - ``metric_log``: ``RunningMean``, ``MetricLog`` kept on the device

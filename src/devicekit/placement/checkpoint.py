@@ -39,6 +39,7 @@ import torch
 
 from devicekit.errors import CheckpointError, InvalidDeviceError, UnsafeCheckpointError
 from devicekit.placement.devices import as_device
+from devicekit.placement.preemption import note_saved
 from devicekit.placement.save_faults import disk_full, lock_while_writing, remove_stale_temporaries
 
 __all__ = ["save_checkpoint", "load_checkpoint", "default_map_location"]
@@ -130,10 +131,13 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     from devicekit.placement.sharded_checkpoint import holds_sharded, save_sharded
 
     if holds_sharded(obj):  # a model sharded over ranks: every rank writes its shards (DCP)
-        return save_sharded(obj, target)
+        written = save_sharded(obj, target)
+        note_saved(written)
+        return written
     distributed, rank = _distributed()
     if not distributed:
         _write_atomically(obj, target)
+        note_saved(target)
         return target
     outcome: list[str | None] = [None]  # rank 0's error, None for success
     try:
@@ -146,6 +150,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
         torch.distributed.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise CheckpointError(f"rank 0 could not write checkpoint {str(target)!r}: {outcome[0]}")
+    note_saved(target)  # after a preemption signal: devicekit run --requeue may requeue now
     return target
 
 
