@@ -5,7 +5,10 @@ allocator would: the weights and the batch, plus every storage an op returns dur
 steps, each until its last reference dies (a weak reference tells when), sampled after every
 op. The peak over the second step (the steady state: gradients, optimizer state, the kept
 output and whatever its graph still saves exist) is the truth. Shared by
-tests/memory/test_estimate_zoo.py and benchmarks/bench_estimate.py.
+tests/memory/test_estimate_zoo.py and benchmarks/bench_estimate.py. :func:`allocator_peak` is a
+second, independent truth: the CPU allocator's own allocations and frees, as torch's profiler
+records them (every byte, whatever the tensor's layout), for the models whose tensors are not
+plain storages (sparse gradients).
 
 Usage::
 
@@ -18,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from devicekit.memory.draws import layer_kept_draw
+from devicekit.memory.layouts import pieces
 from devicekit.memory.step import (
     LoopOutput,
     make_optimizer,
@@ -36,7 +41,7 @@ from devicekit.memory.step import (
     training_step,
 )
 
-__all__ = ["LiveStorages", "measured_peak"]
+__all__ = ["LiveStorages", "allocator_peak", "measured_peak"]
 
 
 class LiveStorages(TorchDispatchMode):
@@ -49,7 +54,11 @@ class LiveStorages(TorchDispatchMode):
         self._seen: dict[int, Any] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_meta:
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            return
+        if tensor.layout != torch.strided:   # a sparse gradient: its indices and values
+            for piece in pieces(tensor):
+                self.add(piece)
             return
         storage = tensor.untyped_storage()
         key = storage.data_ptr() or id(storage)
@@ -119,3 +128,31 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
         last.keep(one_step())
     last.close()
     return tracker.peak
+
+
+def allocator_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "adam",
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> int:
+    """The peak bytes the CPU allocator holds in the second of two real steps of the default
+    loop (``out = model(x)`` kept until the next forward returns), from torch's profiler: the
+    weights, buffers and batch, plus the running sum of every allocation and free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = make_optimizer(optimizer, model.parameters())
+    held = LiveStorages()
+    for t in [*model.parameters(), *model.buffers(), *tensors(sample)]:
+        held.add(t)
+    t = None
+    last = LoopOutput(model)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        last.keep(training_step(model, sample, opt, loss_fn=loss_fn, keep_output=True))
+        second = time.perf_counter_ns()
+        last.keep(training_step(model, sample, opt, loss_fn=loss_fn, keep_output=True))
+    last.close()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live, peak = held.live, 0
+    for start, size in events:
+        live += size
+        if start >= second:
+            peak = max(peak, live)
+    return peak

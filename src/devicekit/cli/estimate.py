@@ -31,7 +31,8 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
         click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Batch size (the first dimension)."),
         click.option("--optimizer", default="adam", show_default=True,
-                     help="adam, adamw, sgd, sgd-momentum (or momentum), rmsprop, adagrad or none."),
+                     help="adam, adamw, sgd, sgd-momentum (or momentum), rmsprop, adagrad, adafactor, "
+                          "adadelta, adamax, nadam, radam, sparse-adam or none."),
         click.option("--precision", default=None, help="bf16 or fp16 (autocast); default fp32."),
         click.option("--loss", default=None, metavar="cross-entropy|mse|sum",
                      help="The loss your loop computes; default: cross-entropy (assumed)."),

@@ -221,7 +221,8 @@ def estimate_memory(
     ``sample``: what the model is called with (a tensor, a tuple of positional arguments, or a
     dict of keyword arguments); only shapes and dtypes matter, so meta tensors are fine.
     ``batch_size`` replaces the first dimension of every tensor in it. ``optimizer``: a name
-    (adam, adamw, sgd, sgd-momentum, rmsprop, adagrad), None, or a function params ->
+    (adam, adamw, sgd, sgd-momentum, rmsprop, adagrad, adafactor, adadelta, adamax, nadam,
+    radam, sparse-adam), None, or a function params ->
     optimizer. ``precision``: None, "bf16" or "fp16" (autocast). ``loss_fn(output, sample)``
     or "cross-entropy" / "mse" / "sum": the loss (default: cross-entropy, assumed).
     ``step(model, sample)``: the user's forward, loss and backward instead. ``device``: what the

@@ -44,7 +44,9 @@ from devicekit.errors import InvalidValueError
 from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
 from devicekit.memory.draws import layer_kept_draw
 from devicekit.memory.fake_memo import OpMemo
+from devicekit.memory.layouts import pieces
 from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
+from devicekit.memory.sparse_kernels import sparse_outputs
 from devicekit.memory.steady_state import Timeline
 from devicekit.memory.step import (
     LoopOutput,
@@ -102,8 +104,14 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor, part: str | None = None) -> None:
         """Count ``tensor``'s storage (once) in ``part`` (default: the current one); retag if known."""
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        if not isinstance(tensor, torch.Tensor):
             return
+        if tensor.layout != torch.strided or tensor.is_quantized:   # sparse, nested: their pieces
+            for piece in pieces(tensor):
+                if piece is not tensor:
+                    self.track(piece, part)
+            if tensor.layout != torch.strided:
+                return
         if self.round and tensor.device.type != self.device_type:   # not in this GPU's memory
             return
         storage = tensor.untyped_storage()
@@ -185,6 +193,7 @@ class LiveBytes(TorchDispatchMode):
         if out is None:
             out = missing_fake_kernel(func, args)   # cuDNN's RNN backward: no fake kernel in torch
         out = real_outputs(func, args, self._dispatch(func, args, kwargs) if out is None else out)
+        out = sparse_outputs(func, args, out)
         self._track_outputs(out)
         if self.workspaces is not None:
             self._cuda_terms(func, args)
@@ -399,6 +408,8 @@ def phase_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, tracker: Li
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_ready))
     if opt is not None:
+        # state an optimizer makes when it is built (Adagrad's sums) is its state, not weights
+        step_ends(opt, (), {})
         handles.append(opt.register_step_pre_hook(step_starts))
         handles.append(opt.register_step_post_hook(step_ends))
     return handles

@@ -37,6 +37,12 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "momentum": ("SGD", {"lr": 0.01, "momentum": 0.9}),
     "rmsprop": ("RMSprop", {}),
     "adagrad": ("Adagrad", {}),
+    "adafactor": ("Adafactor", {}),
+    "adadelta": ("Adadelta", {}),
+    "adamax": ("Adamax", {}),
+    "nadam": ("NAdam", {}),
+    "radam": ("RAdam", {}),
+    "sparse-adam": ("SparseAdam", {}),   # sparse gradients only (nn.Embedding(sparse=True))
 }
 
 #: precision name -> autocast dtype (None: no autocast)
