@@ -87,18 +87,22 @@ class LiveStorages(TorchDispatchMode):
 
 def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "adam",
                   precision: str | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                  step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True) -> int:
+                  step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True,
+                  training: bool = True) -> int:
     """The peak live bytes of the second of two real training steps on CPU (see the module doc).
 
     As in a Python loop, what a step keeps stays alive until the next step's forward returns
     (``out = model(x)`` rebinds ``out`` then, before the backward): the model's output with
     ``keep_output`` (``out = model(x); loss = crit(out, y); loss.backward()``), or what
     ``step(model, sample)`` returns (it replaces forward, loss and backward; the optimizer step
-    follows it).
+    follows it). ``training=False``: an eval loop, two forwards (or steps) under no_grad.
     """
-    opt = make_optimizer(optimizer, model.parameters())
+    opt = make_optimizer(optimizer, model.parameters()) if training else None
 
     def one_step() -> Any:
+        if not training:   # an eval loop: out = model(x) (or step(model, x)) under no_grad
+            return training_step(model, sample, None, precision=precision, training=False,
+                                 keep_output=keep_output, step=step)
         if step is None:
             return training_step(model, sample, opt, precision=precision, loss_fn=loss_fn,
                                  keep_output=keep_output)

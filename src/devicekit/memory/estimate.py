@@ -18,9 +18,11 @@ loss = crit(out, y); loss.backward()`` with ``out`` alive until the next forward
 loop rebinds ``out`` then, before the backward: :class:`~devicekit.memory.step.LoopOutput`), and
 ``loss_fn`` (a function, or "cross-entropy", "mse", "sum"; default: cross-entropy over the last
 dimension, never cheaper than a language model's loss). The table says what was assumed.
+Inference (``training=False``) sizes an eval loop the same way: ``out = model(x)`` under
+no_grad keeps the previous output through the next forward (or ``step=`` runs the user's).
 On CUDA the answer is a range (``low``, ``peak``, ``high``) of what nvidia-smi will show; a
-model whose shapes depend on values is sized by real CPU steps at a quarter and half the batch
-(at most 64 and 128), extrapolated.
+model whose shapes depend on values is sized by real CPU steps: the whole batch up to 128, or a
+quarter and half of it (at most 64 and 128, the heaviest rows), extrapolated.
 
 Usage::
 
@@ -195,6 +197,10 @@ class MemoryEstimate:
             if "assumed" in self.loop or "assumed" in self.loss:
                 lines.append("  give yours: step=fn / --step MODULE:FN (forward, loss, backward), "
                              "or loss_fn= / --loss cross-entropy|mse|sum")
+        elif self.loop:
+            lines.append(f"  loop: {self.loop}")
+            if "assumed" in self.loop:
+                lines.append("  give yours: step=fn / --step MODULE:FN (what your eval loop runs and keeps)")
         return "\n".join(lines)
 
 
@@ -225,7 +231,8 @@ def estimate_memory(
     radam, sparse-adam), None, or a function params ->
     optimizer. ``precision``: None, "bf16" or "fp16" (autocast). ``loss_fn(output, sample)``
     or "cross-entropy" / "mse" / "sum": the loss (default: cross-entropy, assumed).
-    ``step(model, sample)``: the user's forward, loss and backward instead. ``device``: what the
+    ``step(model, sample)``: the user's forward, loss and backward instead (with ``training=False``:
+    what the user's eval loop runs, under no_grad). ``device``: what the
     step is sized for (default: cuda where torch has CUDA, else cpu).
     """
     if not isinstance(model, nn.Module):
@@ -244,8 +251,13 @@ def estimate_memory(
         loss_name = "computed by the step"
         loop = (f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step; what it "
                 "returns kept through the next step (out = step(model, x))")
-    else:
+        if not training:
+            loop = (f"step={getattr(step, '__name__', 'fn')} (yours) under no_grad; what it returns "
+                    "kept through the next step (out = step(model, x))")
+    elif training:
         loop = "out = model(x); loss(out).backward(); out kept until the next forward returns (assumed)"
+    else:
+        loop = "out = model(x) under no_grad; out kept until the next forward returns (assumed)"
     target = _target(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "
@@ -277,7 +289,7 @@ def estimate_memory(
         training=training, optimizer=name if training else "none",
         precision={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         parameters=sum(p.numel() for p in model.parameters()), seconds=seconds,
-        loss=loss_name if training else "none", loop=loop if training else "forward only",
+        loss=loss_name if training else "none", loop=loop,
         method=method, low=low, expected=expected, high=high, convolutions=convolutions,
         timings={k: round(v, 3) for k, v in timings.items()},
         _again=again if batch is not None else None,

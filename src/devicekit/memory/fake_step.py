@@ -303,7 +303,9 @@ def fake_step(
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
     ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
     keeps stays alive as in a loop (:class:`LoopOutput`): the output until the next step's
-    forward returns, a ``step``'s return value until the next step returns.
+    forward returns, a ``step``'s return value until the next step returns. So with
+    ``training=False`` too: an eval loop's ``out = model(x)`` holds the last output through the
+    next forward.
     ``read_second``: the second step's peak is read from the first step's timeline
     (:mod:`.steady_state`: half the time); False runs it.
     """
@@ -322,14 +324,14 @@ def fake_step(
         # the next step returns (``out = step(model, x)``)
         last = LoopOutput(fake, until_forward=step is None)
         timeline = None
-        if training and steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
+        if steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
             tracker.phase, tracker.part = "after step", "temporaries"
             timeline = tracker.timeline = Timeline(PARTS)
             tracker.note_peak()
             if step is None:  # a step='s return value lives to the step's end (the default)
                 hooks.append(fake.register_forward_hook(lambda *_: timeline.forward_returned()))
         try:
-            for index in range(1 if timeline is not None else steps if training else 1):
+            for index in range(1 if timeline is not None else steps):
                 if index == 1:  # gradients and optimizer state now exist: measure the steady state
                     tracker.restart_peak()
                 last.keep(training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,

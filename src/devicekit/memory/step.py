@@ -143,7 +143,8 @@ def training_step(
 ) -> Any:
     """Run one step: zero grads, forward (+ autocast), loss, backward, optimizer step.
 
-    ``training=False`` runs the forward only, under ``torch.no_grad()``. ``keep_output``: the
+    ``training=False`` runs the forward only (or ``step``), under ``torch.no_grad()``, and returns
+    the output with ``keep_output`` (what ``step`` returns), as an eval loop keeps it. ``keep_output``: the
     output stays alive through the backward and is returned, as ``out = model(x); loss =
     crit(out, y); loss.backward()`` keeps it (the caller drops it when the next forward returns:
     :class:`LoopOutput`). ``step(model, sample)`` replaces forward, loss and backward with the
@@ -155,10 +156,12 @@ def training_step(
         first = next(tensors(sample), None)
         device_type = first.device.type if first is not None else "cpu"
     autocast = torch.autocast(device_type=device_type, dtype=dtype) if dtype is not None else nullcontext()
-    if not training:
+    if not training:   # an eval loop: ``out = model(x)`` (or ``out = step(model, x)``) under no_grad
         with torch.no_grad(), autocast:
-            call_model(model, sample)
-        return None
+            if step is not None:
+                return step(model, sample)
+            output = call_model(model, sample)
+        return output if keep_output else None
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     else:
