@@ -138,14 +138,18 @@ def allocator_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ad
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> int:
     """The peak bytes the CPU allocator holds in the second of two real steps of the default
     loop (``out = model(x)`` kept until the next forward returns), from torch's profiler: the
-    weights, buffers and batch, plus the running sum of every allocation and free."""
+    weights, buffers, batch and the state an optimizer makes when built, plus the running sum of
+    every allocation and free."""
     from torch.profiler import ProfilerActivity, profile
 
     opt = make_optimizer(optimizer, model.parameters())
     held = LiveStorages()
-    for t in [*model.parameters(), *model.buffers(), *tensors(sample)]:
+    made = [v for state in (opt.state.values() if opt is not None else ()) for v in state.values()
+            if isinstance(v, torch.Tensor)]       # what an optimizer makes when built (Adagrad's sums)
+    for t in [*model.parameters(), *model.buffers(), *tensors(sample), *made]:
         held.add(t)
     t = None
+    del made
     last = LoopOutput(model)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         last.keep(training_step(model, sample, opt, loss_fn=loss_fn, keep_output=True))
