@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -83,7 +84,7 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter],
                                 "or a function params -> torch.optim.Optimizer")
     cls_name, kwargs = OPTIMIZERS[spec.lower()]
     cls = getattr(torch.optim, cls_name)
-    if foreach is not None:
+    if foreach is not None and "foreach" in inspect.signature(cls).parameters:   # not SparseAdam's
         kwargs = {**kwargs, "foreach": foreach}
     return cls(params, **kwargs)
 
