@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -85,19 +84,11 @@ class LiveStorages(TorchDispatchMode):
         return out
 
 
-def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "adam",
-                  precision: str | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                  step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True,
-                  training: bool = True) -> int:
-    """The peak live bytes of the second of two real training steps on CPU (see the module doc).
-
-    As in a Python loop, what a step keeps stays alive until the next step's forward returns
-    (``out = model(x)`` rebinds ``out`` then, before the backward): the model's output with
-    ``keep_output`` (``out = model(x); loss = crit(out, y); loss.backward()``), or what
-    ``step(model, sample)`` returns (it replaces forward, loss and backward; the optimizer step
-    follows it). ``training=False``: an eval loop, two forwards (or steps) under no_grad.
-    """
-    opt = make_optimizer(optimizer, model.parameters()) if training else None
+def _one_step(model: nn.Module, sample: Any, opt: torch.optim.Optimizer | None, *,
+              precision: str | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+              step: Callable[[nn.Module, Any], Any] | None, keep_output: bool,
+              training: bool) -> Callable[[], Any]:
+    """One step of the loop, as a function of nothing: what it returns the loop keeps."""
 
     def one_step() -> Any:
         if not training:   # an eval loop: out = model(x) (or step(model, x)) under no_grad
@@ -115,6 +106,24 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
             opt.step()
         return out
 
+    return one_step
+
+
+def measured_peak(model: nn.Module, sample: Any, *, optimizer: Any = "adam",
+                  precision: str | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True,
+                  training: bool = True) -> int:
+    """The peak live bytes of the second of two real training steps on CPU (see the module doc).
+
+    As in a Python loop, what a step keeps stays alive until the next step's forward returns
+    (``out = model(x)`` rebinds ``out`` then, before the backward): the model's output with
+    ``keep_output`` (``out = model(x); loss = crit(out, y); loss.backward()``), or what
+    ``step(model, sample)`` returns (it replaces forward, loss and backward; the optimizer step
+    follows it). ``training=False``: an eval loop, two forwards (or steps) under no_grad.
+    """
+    opt = make_optimizer(optimizer, model.parameters()) if training else None
+    one_step = _one_step(model, sample, opt, precision=precision, loss_fn=loss_fn, step=step,
+                         keep_output=keep_output, training=training)
     # as a loop: the previous output dies when the next forward returns; what a step= returns
     # when the next step returns (``out = step(model, x)``)
     last = LoopOutput(model, until_forward=step is None)
@@ -134,15 +143,21 @@ def measured_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ada
     return tracker.peak
 
 
-def allocator_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "adam",
-                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> int:
-    """The peak bytes the CPU allocator holds in the second of two real steps of the default
-    loop (``out = model(x)`` kept until the next forward returns), from torch's profiler: the
-    weights, buffers, batch and the state an optimizer makes when built, plus the running sum of
-    every allocation and free."""
-    from torch.profiler import ProfilerActivity, profile
+_SECOND = "devicekit.truth.second_step"
 
-    opt = make_optimizer(optimizer, model.parameters())
+
+def allocator_peak(model: nn.Module, sample: Any, *, optimizer: Any = "adam",
+                   precision: str | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   step: Callable[[nn.Module, Any], Any] | None = None, keep_output: bool = True,
+                   training: bool = True) -> int:
+    """The peak bytes the CPU allocator holds in the second of two real steps of the loop
+    :func:`measured_peak` runs, from torch's profiler: the weights, buffers, batch and the state
+    an optimizer makes when built, plus the running sum of every allocation and free."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    opt = make_optimizer(optimizer, model.parameters()) if training else None
+    one_step = _one_step(model, sample, opt, precision=precision, loss_fn=loss_fn, step=step,
+                         keep_output=keep_output, training=training)
     held = LiveStorages()
     made = [v for state in (opt.state.values() if opt is not None else ()) for v in state.values()
             if isinstance(v, torch.Tensor)]       # what an optimizer makes when built (Adagrad's sums)
@@ -150,13 +165,15 @@ def allocator_peak(model: nn.Module, sample: Any, *, optimizer: str | None = "ad
         held.add(t)
     t = None
     del made
-    last = LoopOutput(model)
+    last = LoopOutput(model, until_forward=step is None)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        last.keep(training_step(model, sample, opt, loss_fn=loss_fn, keep_output=True))
-        second = time.perf_counter_ns()
-        last.keep(training_step(model, sample, opt, loss_fn=loss_fn, keep_output=True))
+        last.keep(one_step())
+        with record_function(_SECOND):
+            last.keep(one_step())
     last.close()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+    found = list(prof.profiler.kineto_results.events())
+    second = min(e.start_ns() for e in found if e.name() == _SECOND)
+    events = sorted((e.start_ns(), e.nbytes()) for e in found
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     live, peak = held.live, 0
     for start, size in events:

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from devicekit.errors import InvalidValueError
+from devicekit.memory.cpu_transients import cpu_transient_bytes
 from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
 from devicekit.memory.draws import layer_kept_draw
 from devicekit.memory.fake_memo import OpMemo
@@ -144,7 +145,8 @@ class LiveBytes(TorchDispatchMode):
             return
         parts = dict(self.live)
         if transient:
-            parts[CUDA_WORKSPACES] = parts.get(CUDA_WORKSPACES, 0) + transient
+            held = CUDA_WORKSPACES if self.workspaces is not None else "temporaries"
+            parts[held] = parts.get(held, 0) + transient
         if total > self.peak:
             self.peak = total
             self.at_peak = parts
@@ -197,6 +199,10 @@ class LiveBytes(TorchDispatchMode):
         self._track_outputs(out)
         if self.workspaces is not None:
             self._cuda_terms(func, args)
+        elif self.device_type == "cpu":
+            transient = cpu_transient_bytes(func, args)   # oneDNN's reorders (:mod:`.cpu_transients`)
+            if transient:
+                self.note_peak(transient)
         return out
 
 
