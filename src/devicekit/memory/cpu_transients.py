@@ -11,7 +11,9 @@ and the input, up to 7x for the one-channel filter; unmodelled, a skip-block UNe
 against the allocator and a VAE's eval loop 7 %.
 
 What is held, for the op's duration: in the forward the larger of the input and weight
-together and the output with its channels padded to oneDNN's block (8 on AVX2, 16 on AVX-512);
+together and the output with its channels padded to oneDNN's block (8 on AVX2, 16 on AVX-512),
+only the padded output where the input has fewer channels than a block (an RGB stem, a ViT's
+patches: measured, no input reorder);
 in the backward the output gradient and the input, both padded, and the weight. That matches the
 measurements above to within 10 % of each op's transient, above rather than below (oneDNN's
 per-thread scratchpads grow with the thread count: not modelled).
@@ -20,7 +22,7 @@ Usage (inside a dispatch mode, as :mod:`.fake_step` does on a CPU target)::
 
     from devicekit.memory.cpu_transients import cpu_transient_bytes
 
-    extra = cpu_transient_bytes(func, args)
+    extra = cpu_transient_bytes(func, args, out)
 """
 
 from __future__ import annotations
@@ -49,25 +51,16 @@ def _plain(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _output_like(x: torch.Tensor, weight: torch.Tensor, args: tuple[Any, ...]) -> int:
-    """Bytes of the convolution's output, blocked (its spatial size from the input's, at most)."""
-    out_channels = weight.shape[1] if len(args) > 6 and args[6] else weight.shape[0]   # transposed
-    padded = -(-out_channels // _BLOCK) * _BLOCK
-    spatial = x.numel() // max(x.shape[0] * x.shape[1], 1)
-    if len(args) > 6 and args[6]:                      # a transposed convolution grows the image
-        stride = args[3] if len(args) > 3 else (1,)
-        for s in stride:
-            spatial *= int(s)
-    return x.shape[0] * padded * spatial * x.element_size()
-
-
-def cpu_transient_bytes(func: Any, args: tuple[Any, ...]) -> int:
-    """Bytes a CPU kernel holds while it runs (0 for an op not modelled or not on the CPU)."""
+def cpu_transient_bytes(func: Any, args: tuple[Any, ...], out: Any) -> int:
+    """Bytes a CPU kernel holds while it runs (0 for an op not modelled or not on the CPU);
+    ``out``: what the op returned."""
     if func is _CONVOLUTION:
         x, weight = args[0], args[1]
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() < 3:
             return 0
-        return max(_plain(x) + _plain(weight), _output_like(x, weight, args))
+        if x.shape[1] < _BLOCK:          # a few input channels: the output is reordered
+            return _blocked(out)
+        return max(_plain(x) + _plain(weight), _blocked(out))
     if func is _CONVOLUTION_BACKWARD:
         grad_out, x, weight = args[0], args[1], args[2]
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() < 3:

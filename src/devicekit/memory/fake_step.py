@@ -200,7 +200,7 @@ class LiveBytes(TorchDispatchMode):
         if self.workspaces is not None:
             self._cuda_terms(func, args)
         elif self.device_type == "cpu":
-            transient = cpu_transient_bytes(func, args)   # oneDNN's reorders (:mod:`.cpu_transients`)
+            transient = cpu_transient_bytes(func, args, out)   # oneDNN's reorders (:mod:`.cpu_transients`)
             if transient:
                 self.note_peak(transient)
         return out
