@@ -188,3 +188,22 @@ def test_a_value_dependent_batch_is_run_whole_or_extrapolated_never_low(batch: i
     est = dk.estimate_memory(_Unpad(), sample, device="cpu")
     truth = measured_peak(_Unpad(), sample, loss_fn=cross_entropy_loss)
     assert how in est.method and _within(est.peak, truth), (est.method, est.peak, truth)
+
+
+def test_peft_lora_with_gradient_checkpointing_against_the_allocator() -> None:
+    """One of sweep_estimate_zoo.py's families (diffusers' are there only: its import costs
+    seconds): a LoRA-wrapped GPT-2 (frozen base, adapters trained), checkpointed, against the
+    CPU allocator."""
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512))
+    base.gradient_checkpointing_enable()
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    lora.train()
+    tokens = {"input_ids": torch.randint(0, 512, (4, 32))}
+    est = dk.estimate_memory(lora, tokens, device="cpu")
+    truth = allocator_peak(lora, tokens, loss_fn=cross_entropy_loss)
+    assert _within(est.peak, truth), (est.peak, truth)
+    assert est.parts["gradients"] < est.parts["weights"] / 10      # only the adapters train
