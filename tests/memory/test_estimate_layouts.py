@@ -207,3 +207,13 @@ def test_peft_lora_with_gradient_checkpointing_against_the_allocator() -> None:
     truth = allocator_peak(lora, tokens, loss_fn=cross_entropy_loss)
     assert _within(est.peak, truth), (est.peak, truth)
     assert est.parts["gradients"] < est.parts["weights"] / 10      # only the adapters train
+
+
+def test_every_named_optimizer_is_known_to_the_layer_plan() -> None:
+    """advise passes the estimate's optimizer name to plan_devices: a new name must not turn
+    into a false 'split' refusal."""
+    from devicekit.memory.step import OPTIMIZERS
+    from devicekit.modelparallel.layer_profile import optimizer_factor
+
+    for name in OPTIMIZERS:
+        assert optimizer_factor(name) >= 0
