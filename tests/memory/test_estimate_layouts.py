@@ -217,3 +217,10 @@ def test_every_named_optimizer_is_known_to_the_layer_plan() -> None:
 
     for name in OPTIMIZERS:
         assert optimizer_factor(name) >= 0
+
+
+def test_a_sparse_sample_is_refused_by_name_not_sized_dense() -> None:
+    adjacency = torch.eye(1000).to_sparse()
+    with pytest.raises(UnsizedLayoutError, match="sample tensor of layout torch.sparse_coo") as info:
+        dk.estimate_memory(nn.Linear(1000, 8), (adjacency,), device="cpu")
+    assert "\n" not in str(info.value)

@@ -53,6 +53,7 @@ from devicekit.errors import InvalidValueError
 from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, resize_batch, sample_batch
 from devicekit.memory.fit_check import Fit, check_fit
 from devicekit.memory.gpu_overhead import gpu_range
+from devicekit.memory.layouts import UnsizedLayoutError
 from devicekit.memory.losses import LossFn, resolve_loss
 from devicekit.memory.sizing import size_step
 from devicekit.memory.step import OptimizerSpec, StepFn, parse_precision, tensors
@@ -242,6 +243,12 @@ def estimate_memory(
     if next(tensors(sample), None) is None:
         raise InvalidValueError(f"sample {type(sample).__name__} holds no tensor; pass one batch, "
                                 "e.g. torch.empty(8, 3, 224, 224, device='meta')")
+    odd = next((t for t in tensors(sample) if t.layout != torch.strided), None)
+    if odd is not None:   # resized as shapes, it would be sized dense: as large as its dense shape
+        raise UnsizedLayoutError(
+            f"sample tensor of layout {odd.layout} (shape {tuple(odd.shape)}): the estimate sizes "
+            "samples of dense (strided) tensors only, and would count this one as dense; make it "
+            "inside the model (the step's own sparse tensors are counted), or measure the step")
     if step is not None and (not callable(step) or loss_fn is not None):
         raise InvalidValueError(f"step {step!r}: give a function step(model, sample) that runs the "
                                 "forward, the loss and backward(), and no loss_fn beside it")
