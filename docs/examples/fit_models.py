@@ -32,3 +32,9 @@ def lm_step(model: nn.Module, tokens):
     loss = functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     return logits
+
+
+def eval_step(model: nn.Module, tokens):
+    """A user's eval loop: ``preds = eval_step(model, x)`` keeps the logits and the predictions."""
+    logits = model(tokens)
+    return logits, logits.argmax(-1)

@@ -120,7 +120,7 @@ def test_a_step_that_cannot_be_resized_is_said_so_not_blamed_on_the_sample(monke
     from devicekit.errors import InvalidValueError
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 4))
-    labels = torch.zeros(64, dtype=torch.long)
+    labels = torch.zeros(512, dtype=torch.long)      # above 128: real steps stand in at 64 and 128
 
     def step(m: torch.nn.Module, x: torch.Tensor) -> Any:
         out = m(x)
@@ -134,4 +134,4 @@ def test_a_step_that_cannot_be_resized_is_said_so_not_blamed_on_the_sample(monke
 
     monkeypatch.setattr(estimate_module, "fake_step", no_fake)
     with pytest.raises(InvalidValueError, match="take them from its sample"):
-        dk.estimate_memory(model, torch.zeros(64, 8), step=step, device="cpu")
+        dk.estimate_memory(model, torch.zeros(512, 8), step=step, device="cpu")

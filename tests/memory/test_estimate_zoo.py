@@ -78,7 +78,7 @@ def test_data_dependent_routing_is_extrapolated_from_real_steps_and_says_so() ->
     torch.manual_seed(0)
     model = RoutedMoE()
     est = dk.estimate_memory(model, torch.empty(32, 16, 128, device="meta"), device="cpu")
-    assert est.method.startswith("real CPU steps at batch 8 and 16, extrapolated to batch 32")
+    assert est.method.startswith("real CPU steps at batch 32,")     # small enough to run whole
     assert "DynamicOutputShapeException" in est.method and est.method in str(est)
     assert all(p.grad is None for p in model.parameters())         # the user's model untouched
     truth = measured_peak(model, torch.randn(32, 16, 128), loss_fn=ZOO["moe-routed"].loss)

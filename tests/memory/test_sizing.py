@@ -205,8 +205,8 @@ class _Sorted(nn.Module):
 def test_rows_that_stand_in_are_spread_over_a_sorted_batch() -> None:
     """A batch sorted by length has its short rows first: the first rows alone read 38 % low."""
     torch.manual_seed(0)
-    tokens = torch.randint(0, 100, (32, 64))
-    mask = torch.arange(64)[None, :] < (torch.arange(1, 33) * 2)[:, None]    # row i keeps 2(i+1)
+    tokens = torch.randint(0, 100, (256, 64))
+    mask = torch.arange(64)[None, :] < (torch.arange(256) // 4 + 1)[:, None]    # row i keeps i // 4 + 1
     est = dk.estimate_memory(_Sorted(), (tokens, mask))
     truth = measured_peak(_Sorted(), (tokens, mask), loss_fn=cross_entropy_loss)
     assert "extrapolated" in est.method and abs(est.peak / truth - 1) <= 0.10, (est.peak, truth)

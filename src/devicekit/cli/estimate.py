@@ -32,7 +32,8 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
         click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Batch size (the first dimension)."),
         click.option("--optimizer", default="adam", show_default=True,
-                     help="adam, adamw, sgd, sgd-momentum (or momentum), rmsprop, adagrad or none."),
+                     help="adam, adamw, sgd, sgd-momentum (or momentum), rmsprop, adagrad, adafactor, "
+                          "adadelta, adamax, nadam, radam, sparse-adam or none."),
         click.option("--precision", default=None, help="bf16 or fp16 (autocast); default fp32."),
         click.option("--loss", default=None, metavar="cross-entropy|mse|sum",
                      help="The loss your loop computes; default: cross-entropy (assumed)."),
@@ -46,7 +47,8 @@ def model_options(fn: click.decorators.FC) -> click.decorators.FC:
 
 @click.command(help="Estimate the peak memory of one training step of a model, before running it.")
 @model_options
-@click.option("--inference", is_flag=True, help="Size a forward pass without gradients instead.")
+@click.option("--inference", is_flag=True,
+              help="Size an eval loop instead: out = model(x) under no_grad (or your --step).")
 def command(model_spec: str, inputs: str, batch: int, optimizer: str, precision: str | None,
             loss: str | None, step_spec: str | None, as_json: bool, inference: bool) -> None:
     started = time.perf_counter()
@@ -102,13 +104,13 @@ def where_time_went(spent: dict[str, float]) -> str:
 
 
 def _refuse_training_options(optimizer: str, loss: str | None, step_spec: str | None) -> None:
-    """--inference sizes a forward pass: an --optimizer, --loss or --step given with it would be
-    ignored, so it is refused instead."""
+    """--inference sizes a forward pass: an --optimizer or --loss given with it would be
+    ignored, so it is refused instead (a --step is the eval loop's own step: it is run)."""
     from devicekit.errors import InvalidValueError
 
     given = click.get_current_context().get_parameter_source("optimizer")
     for flag, value in (("--optimizer", optimizer if given == click.core.ParameterSource.COMMANDLINE else None),
-                        ("--loss", loss), ("--step", step_spec)):
+                        ("--loss", loss)):
         if value is not None:
             raise InvalidValueError(f"{flag} {value}: --inference sizes a forward pass, which has no "
                                     f"{flag.removeprefix('--')}; leave out one of the two")

@@ -18,9 +18,11 @@ loss = crit(out, y); loss.backward()`` with ``out`` alive until the next forward
 loop rebinds ``out`` then, before the backward: :class:`~devicekit.memory.step.LoopOutput`), and
 ``loss_fn`` (a function, or "cross-entropy", "mse", "sum"; default: cross-entropy over the last
 dimension, never cheaper than a language model's loss). The table says what was assumed.
+Inference (``training=False``) sizes an eval loop the same way: ``out = model(x)`` under
+no_grad keeps the previous output through the next forward (or ``step=`` runs the user's).
 On CUDA the answer is a range (``low``, ``peak``, ``high``) of what nvidia-smi will show; a
-model whose shapes depend on values is sized by real CPU steps at a quarter and half the batch
-(at most 64 and 128), extrapolated.
+model whose shapes depend on values is sized by real CPU steps: the whole batch up to 128, or a
+quarter and half of it (at most 64 and 128, the heaviest rows), extrapolated.
 
 Usage::
 
@@ -51,6 +53,7 @@ from devicekit.errors import InvalidValueError
 from devicekit.memory.fake_step import CUDA_WORKSPACES, PARTS, resize_batch, sample_batch
 from devicekit.memory.fit_check import Fit, check_fit
 from devicekit.memory.gpu_overhead import gpu_range
+from devicekit.memory.layouts import UnsizedLayoutError
 from devicekit.memory.losses import LossFn, resolve_loss
 from devicekit.memory.sizing import size_step
 from devicekit.memory.step import OptimizerSpec, StepFn, parse_precision, tensors
@@ -195,6 +198,10 @@ class MemoryEstimate:
             if "assumed" in self.loop or "assumed" in self.loss:
                 lines.append("  give yours: step=fn / --step MODULE:FN (forward, loss, backward), "
                              "or loss_fn= / --loss cross-entropy|mse|sum")
+        elif self.loop:
+            lines.append(f"  loop: {self.loop}")
+            if "assumed" in self.loop:
+                lines.append("  give yours: step=fn / --step MODULE:FN (what your eval loop runs and keeps)")
         return "\n".join(lines)
 
 
@@ -221,10 +228,12 @@ def estimate_memory(
     ``sample``: what the model is called with (a tensor, a tuple of positional arguments, or a
     dict of keyword arguments); only shapes and dtypes matter, so meta tensors are fine.
     ``batch_size`` replaces the first dimension of every tensor in it. ``optimizer``: a name
-    (adam, adamw, sgd, sgd-momentum, rmsprop, adagrad), None, or a function params ->
+    (adam, adamw, sgd, sgd-momentum, rmsprop, adagrad, adafactor, adadelta, adamax, nadam,
+    radam, sparse-adam), None, or a function params ->
     optimizer. ``precision``: None, "bf16" or "fp16" (autocast). ``loss_fn(output, sample)``
     or "cross-entropy" / "mse" / "sum": the loss (default: cross-entropy, assumed).
-    ``step(model, sample)``: the user's forward, loss and backward instead. ``device``: what the
+    ``step(model, sample)``: the user's forward, loss and backward instead (with ``training=False``:
+    what the user's eval loop runs, under no_grad). ``device``: what the
     step is sized for (default: cuda where torch has CUDA, else cpu).
     """
     if not isinstance(model, nn.Module):
@@ -234,6 +243,12 @@ def estimate_memory(
     if next(tensors(sample), None) is None:
         raise InvalidValueError(f"sample {type(sample).__name__} holds no tensor; pass one batch, "
                                 "e.g. torch.empty(8, 3, 224, 224, device='meta')")
+    odd = next((t for t in tensors(sample) if t.layout != torch.strided), None)
+    if odd is not None:   # resized as shapes, it would be sized dense: as large as its dense shape
+        raise UnsizedLayoutError(
+            f"sample tensor of layout {odd.layout} (shape {tuple(odd.shape)}): the estimate sizes "
+            "samples of dense (strided) tensors only, and would count this one as dense; make it "
+            "inside the model (the step's own sparse tensors are counted), or measure the step")
     if step is not None and (not callable(step) or loss_fn is not None):
         raise InvalidValueError(f"step {step!r}: give a function step(model, sample) that runs the "
                                 "forward, the loss and backward(), and no loss_fn beside it")
@@ -243,8 +258,13 @@ def estimate_memory(
         loss_name = "computed by the step"
         loop = (f"step={getattr(step, '__name__', 'fn')} (yours), then the optimizer step; what it "
                 "returns kept through the next step (out = step(model, x))")
-    else:
+        if not training:
+            loop = (f"step={getattr(step, '__name__', 'fn')} (yours) under no_grad; what it returns "
+                    "kept through the next step (out = step(model, x))")
+    elif training:
         loop = "out = model(x); loss(out).backward(); out kept until the next forward returns (assumed)"
+    else:
+        loop = "out = model(x) under no_grad; out kept until the next forward returns (assumed)"
     target = _target(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise InvalidValueError(f"device {str(target)!r}: this torch has no CUDA, so a CUDA step "
@@ -276,7 +296,7 @@ def estimate_memory(
         training=training, optimizer=name if training else "none",
         precision={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         parameters=sum(p.numel() for p in model.parameters()), seconds=seconds,
-        loss=loss_name if training else "none", loop=loop if training else "forward only",
+        loss=loss_name if training else "none", loop=loop,
         method=method, low=low, expected=expected, high=high, convolutions=convolutions,
         timings={k: round(v, 3) for k, v in timings.items()},
         _again=again if batch is not None else None,

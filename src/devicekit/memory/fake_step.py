@@ -41,10 +41,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from devicekit.errors import InvalidValueError
+from devicekit.memory.cpu_transients import cpu_transient_bytes
 from devicekit.memory.cuda_terms import BlasWorkspaces, blas_workspaces_here
 from devicekit.memory.draws import layer_kept_draw
 from devicekit.memory.fake_memo import OpMemo
+from devicekit.memory.layouts import pieces
 from devicekit.memory.real_kernels import missing_fake_kernel, real_outputs, transient_bytes
+from devicekit.memory.sparse_kernels import sparse_outputs
 from devicekit.memory.steady_state import Timeline
 from devicekit.memory.step import (
     LoopOutput,
@@ -102,8 +105,14 @@ class LiveBytes(TorchDispatchMode):
 
     def track(self, tensor: torch.Tensor, part: str | None = None) -> None:
         """Count ``tensor``'s storage (once) in ``part`` (default: the current one); retag if known."""
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        if not isinstance(tensor, torch.Tensor):
             return
+        if tensor.layout != torch.strided or tensor.is_quantized:   # sparse, nested: their pieces
+            for piece in pieces(tensor):
+                if piece is not tensor:
+                    self.track(piece, part)
+            if tensor.layout != torch.strided:
+                return
         if self.round and tensor.device.type != self.device_type:   # not in this GPU's memory
             return
         storage = tensor.untyped_storage()
@@ -136,7 +145,8 @@ class LiveBytes(TorchDispatchMode):
             return
         parts = dict(self.live)
         if transient:
-            parts[CUDA_WORKSPACES] = parts.get(CUDA_WORKSPACES, 0) + transient
+            held = CUDA_WORKSPACES if self.workspaces is not None else "temporaries"
+            parts[held] = parts.get(held, 0) + transient
         if total > self.peak:
             self.peak = total
             self.at_peak = parts
@@ -185,9 +195,14 @@ class LiveBytes(TorchDispatchMode):
         if out is None:
             out = missing_fake_kernel(func, args)   # cuDNN's RNN backward: no fake kernel in torch
         out = real_outputs(func, args, self._dispatch(func, args, kwargs) if out is None else out)
+        out = sparse_outputs(func, args, out)
         self._track_outputs(out)
         if self.workspaces is not None:
             self._cuda_terms(func, args)
+        elif self.device_type == "cpu":
+            transient = cpu_transient_bytes(func, args, out)   # oneDNN's reorders (:mod:`.cpu_transients`)
+            if transient:
+                self.note_peak(transient)
         return out
 
 
@@ -294,7 +309,9 @@ def fake_step(
     ``sample`` holds tensors of any device (meta is fine); only shapes and dtypes are used.
     ``keep_output`` / ``step``: see :func:`~devicekit.memory.step.training_step`; what a step
     keeps stays alive as in a loop (:class:`LoopOutput`): the output until the next step's
-    forward returns, a ``step``'s return value until the next step returns.
+    forward returns, a ``step``'s return value until the next step returns. So with
+    ``training=False`` too: an eval loop's ``out = model(x)`` holds the last output through the
+    next forward.
     ``read_second``: the second step's peak is read from the first step's timeline
     (:mod:`.steady_state`: half the time); False runs it.
     """
@@ -313,14 +330,14 @@ def fake_step(
         # the next step returns (``out = step(model, x)``)
         last = LoopOutput(fake, until_forward=step is None)
         timeline = None
-        if training and steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
+        if steps == 2 and read_second:  # the second step read from the first (:mod:`.steady_state`)
             tracker.phase, tracker.part = "after step", "temporaries"
             timeline = tracker.timeline = Timeline(PARTS)
             tracker.note_peak()
             if step is None:  # a step='s return value lives to the step's end (the default)
                 hooks.append(fake.register_forward_hook(lambda *_: timeline.forward_returned()))
         try:
-            for index in range(1 if timeline is not None else steps if training else 1):
+            for index in range(1 if timeline is not None else steps):
                 if index == 1:  # gradients and optimizer state now exist: measure the steady state
                     tracker.restart_peak()
                 last.keep(training_step(fake, batch, opt, precision=precision, loss_fn=loss_fn,
@@ -399,6 +416,8 @@ def phase_hooks(model: nn.Module, opt: torch.optim.Optimizer | None, tracker: Li
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_ready))
     if opt is not None:
+        # state an optimizer makes when it is built (Adagrad's sums) is its state, not weights
+        step_ends(opt, (), {})
         handles.append(opt.register_step_pre_hook(step_starts))
         handles.append(opt.register_step_post_hook(step_ends))
     return handles

@@ -27,6 +27,9 @@ buffer the meta kernel leaves empty, and autograd keeps that buffer alive until 
   shape (the meta kernel's shape rules) for any other dtype. The shapes do not depend on the
   routing (the groups' offsets are values of a fixed-size tensor).
 
+* ``aten.mse_loss`` and ``aten.smooth_l1_loss`` reduced on the CPU: the real scalar is a view
+  into the elementwise loss, as large as the input, kept with the loss through the backward.
+
 GRU and RNN on CPU run the same native ops for real and under fake tensors (compared op by
 op in the test), so they need nothing here.
 
@@ -202,7 +205,22 @@ def _grouped_mm_on_cpu(args: tuple[Any, ...]) -> Any:
     return torch.empty(shape, dtype=out_dtype, device=a.device)
 
 
+def _reduced_loss_buffer(args: tuple[Any, ...], out: Any) -> Any:
+    """``mse_loss`` / ``smooth_l1_loss`` reduced (mean or sum) on the CPU: the real kernel
+    returns a 0-d view into the elementwise loss it reduced, so the loss holds a buffer of the
+    input's size until it dies (after the backward); the meta kernel returns 4 bytes. (Measured
+    on CPU only: on CUDA the fake output is kept.)"""
+    source, reduction = args[0], args[2] if len(args) > 2 else 1
+    if (not isinstance(out, FakeTensor) or out.dim() != 0 or reduction == 0
+            or source.device.type != "cpu" or source.numel() <= 1):
+        return out
+    buffer = torch.empty(source.numel(), dtype=out.dtype, device=out.device)
+    return buffer.as_strided([], [], 0)
+
+
 _CORRECTIONS = {
+    "aten::mse_loss": _reduced_loss_buffer,
+    "aten::smooth_l1_loss": _reduced_loss_buffer,
     "aten::mkldnn_rnn_layer": _mkldnn_rnn_layer,
     "aten::mkldnn_rnn_layer_backward": _mkldnn_rnn_layer_backward,
     "aten::_cudnn_rnn": _cudnn_rnn,

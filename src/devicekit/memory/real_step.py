@@ -63,19 +63,37 @@ def has_values(sample: Any) -> bool:
     return bool(found) and not any(t.is_meta or isinstance(t, FakeTensor) for t in found)
 
 
+def _by_weight(values: Any, full: int) -> torch.Tensor:
+    """The rows of ``values`` heaviest first (most nonzero elements: tokens a mask keeps, ids
+    that are not padding), rows that hold as much in their order (all alike: ``arange``)."""
+    weight = torch.zeros(full, dtype=torch.long)
+    for t in tensors(values):
+        if t.dim() and t.shape[0] == full and t.numel():
+            weight -= (t.detach().cpu().reshape(full, -1) != 0).sum(1)
+    return torch.sort(weight, stable=True).indices
+
+
 def _real_sample(sample: Any, batch: int, values: Any = None) -> Any:
     """``sample`` at ``batch`` on the CPU: rows of ``values`` where given, spread evenly over the
-    whole batch (a batch sorted by length has its short rows first: the first rows alone sized a
-    packed LSTM 35 % low), repeated in turn past its end; else stand-ins (random normals, zeros,
-    True). Only tensors whose first dimension is the sample's batch are resized."""
+    whole batch ranked by weight (:func:`_by_weight`), from the heaviest: every other row of the
+    ranking for half the batch, every fourth for a quarter (a batch sorted by length has its
+    short rows first: the first rows alone sized a packed LSTM 35 % low; rows 8 and 16 of 32,
+    spread in batch order, held 1210 tokens where the batch held 1376 and read 9 % low), so each
+    row stands for the lighter ones after it, the quarter's rows are the half's, and the line
+    through the two is not below the batch; repeated in turn past its end; else stand-ins
+    (random normals, zeros, True). Only tensors whose first dimension is the sample's batch are
+    resized."""
     if values is not None:
         full = sample_batch(values)
+        ranked = _by_weight(values, full) if batch < full else None
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             t = t.detach().cpu()
             if not t.dim() or t.shape[0] != full:
                 return t.clone()
-            index = (torch.arange(batch) * full) // batch if batch <= full else torch.arange(batch) % full
+            if ranked is not None:
+                return t[ranked[(torch.arange(batch) * full) // batch].sort().values]
+            index = torch.arange(batch) % full
             return t[index]
 
         return map_tensors(values, rows)

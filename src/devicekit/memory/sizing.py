@@ -9,9 +9,10 @@ the wrong step to size, and each is handled here:
   and the larger peak is kept, and the answer says so.
 * **Fake tensors cannot run the model** (shapes that depend on values: ``nonzero``, routing,
   padding lengths; a fake kernel stricter than the real one): real CPU steps at small batches
-  stand in, extrapolated in the batch. They run on the rows of the caller's own sample where it
-  has values (a real batch, tiled or cut to the batch measured), since the shapes follow the
-  values; a sample of shapes only (meta tensors, the CLI's ``--input``) gets zeros, random
+  stand in: the whole batch where it is at most 128, else two smaller ones, extrapolated in the
+  batch. They run on the rows of the caller's own sample where it has values (a real batch,
+  tiled, or cut to its heaviest rows, so that the line drawn through them is never below the
+  batch's: :func:`~devicekit.memory.real_step.real_peaks`), since the shapes follow the values; a sample of shapes only (meta tensors, the CLI's ``--input``) gets zeros, random
   normals and True, and the answer says those are not the caller's data. Before the batches
   that stand in, one real step at batch 2 tells a model that fails for real (a shape error)
   at the cost of two samples (not one: batch norm refuses a batch of 1 in training), and real
@@ -45,10 +46,12 @@ from devicekit.units import format_size
 
 __all__ = ["Sized", "refusal", "size_step"]
 
-#: a batch up to this is measured by real CPU steps as asked; larger ones are extrapolated from
-#: two smaller ones (routing, bucketing and caches make a batch of 1 or 2 a poor guide: MoE
-#: models read 5-16 % low extrapolated from batches 1 and 2 to 4 in the transformers sweep)
-_MEASURE_AT_BATCH = 8
+#: a batch up to this is measured whole by real CPU steps (the larger of the two batches an
+#: extrapolation measures: no more memory than extrapolating needs); larger ones are
+#: extrapolated from two smaller ones (routing, bucketing and caches make a batch of 1 or 2 a
+#: poor guide: MoE models read 5-16 % low extrapolated from batches 1 and 2 to 4 in the
+#: transformers sweep; unpadding read 9 % low from rows 8 and 16 of 32)
+_MEASURE_AT_BATCH = 128
 #: a failure that may be the model's own is first tried at this batch (batch norm in training
 #: refuses a batch of 1)
 _PROBE_BATCH = 2
@@ -179,7 +182,7 @@ def _extrapolated(model: nn.Module, sample: Any, shapes: Any, batch: int, cause:
     if batch <= _MEASURE_AT_BATCH:  # small enough to run as asked: one batch, no extrapolation
         b1 = b2 = batch
     else:
-        b1 = max(_MEASURE_AT_BATCH // 2, min(batch // 4, 64))
+        b1 = min(batch // 4, _MEASURE_AT_BATCH // 2)
         b2 = 2 * b1
     own_loop = kwargs.get("step") is None
     needed, free = _real_bytes(model, shapes, b2), _free_bytes()

@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -37,6 +38,12 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "momentum": ("SGD", {"lr": 0.01, "momentum": 0.9}),
     "rmsprop": ("RMSprop", {}),
     "adagrad": ("Adagrad", {}),
+    "adafactor": ("Adafactor", {}),
+    "adadelta": ("Adadelta", {}),
+    "adamax": ("Adamax", {}),
+    "nadam": ("NAdam", {}),
+    "radam": ("RAdam", {}),
+    "sparse-adam": ("SparseAdam", {}),   # sparse gradients only (nn.Embedding(sparse=True))
 }
 
 #: precision name -> autocast dtype (None: no autocast)
@@ -77,7 +84,7 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[nn.Parameter],
                                 "or a function params -> torch.optim.Optimizer")
     cls_name, kwargs = OPTIMIZERS[spec.lower()]
     cls = getattr(torch.optim, cls_name)
-    if foreach is not None:
+    if foreach is not None and "foreach" in inspect.signature(cls).parameters:   # not SparseAdam's
         kwargs = {**kwargs, "foreach": foreach}
     return cls(params, **kwargs)
 
@@ -137,7 +144,8 @@ def training_step(
 ) -> Any:
     """Run one step: zero grads, forward (+ autocast), loss, backward, optimizer step.
 
-    ``training=False`` runs the forward only, under ``torch.no_grad()``. ``keep_output``: the
+    ``training=False`` runs the forward only (or ``step``), under ``torch.no_grad()``, and returns
+    the output with ``keep_output`` (what ``step`` returns), as an eval loop keeps it. ``keep_output``: the
     output stays alive through the backward and is returned, as ``out = model(x); loss =
     crit(out, y); loss.backward()`` keeps it (the caller drops it when the next forward returns:
     :class:`LoopOutput`). ``step(model, sample)`` replaces forward, loss and backward with the
@@ -149,10 +157,12 @@ def training_step(
         first = next(tensors(sample), None)
         device_type = first.device.type if first is not None else "cpu"
     autocast = torch.autocast(device_type=device_type, dtype=dtype) if dtype is not None else nullcontext()
-    if not training:
+    if not training:   # an eval loop: ``out = model(x)`` (or ``out = step(model, x)``) under no_grad
         with torch.no_grad(), autocast:
-            call_model(model, sample)
-        return None
+            if step is not None:
+                return step(model, sample)
+            output = call_model(model, sample)
+        return output if keep_output else None
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     else:

@@ -13,7 +13,8 @@ from devicekit.errors import InvalidValueError
 
 __all__ = ["LOSS_NAMES", "OPTIMIZER_NAMES", "PRECISION_NAMES", "check_step_names"]
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum", "momentum", "rmsprop", "adagrad")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "sgd-momentum", "momentum", "rmsprop", "adagrad", "adafactor",
+                   "adadelta", "adamax", "nadam", "radam", "sparse-adam")
 PRECISION_NAMES = ("fp32", "float32", "none", "bf16", "bfloat16", "fp16", "float16", "half")
 LOSS_NAMES = ("cross-entropy", "mse", "sum")
 

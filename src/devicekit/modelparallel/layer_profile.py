@@ -39,7 +39,11 @@ __all__ = ["LayerCost", "optimizer_factor", "profile_layers", "sequential_layers
 
 # optimizer name -> copies of the parameters it keeps as state
 _OPTIMIZER_STATE = {"adam": 2.0, "adamw": 2.0, "sgd-momentum": 1.0, "momentum": 1.0,
-                    "rmsprop": 1.0, "adagrad": 1.0, "sgd": 0.0, "none": 0.0}
+                    "rmsprop": 1.0, "adagrad": 1.0, "sgd": 0.0, "none": 0.0,
+                    # the estimate's other names (devicekit.memory.step.OPTIMIZERS); adafactor's
+                    # factored state is far less than a copy for matrices, a copy for vectors
+                    "adafactor": 1.0, "adadelta": 2.0, "adamax": 2.0, "nadam": 2.0, "radam": 2.0,
+                    "sparse-adam": 2.0}
 
 
 def optimizer_factor(optimizer: str | float | None) -> float:
