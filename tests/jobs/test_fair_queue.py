@@ -223,6 +223,15 @@ def test_bad_time_limit_is_one_line(jobs: Jobs) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("wait", ["nan", "1e999"])
+def test_a_wait_that_is_not_finite_is_named_as_typed(jobs: Jobs, wait: str) -> None:
+    # `run --wait 1e999` said "wait inf must be a number of seconds >= 0"
+    result = jobs.cli("run", "--wait", wait, "--", "true")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (f"devicekit: Invalid value for '--wait': '{wait}' is not a number of"
+                             " seconds >= 0 (e.g. 600) (see 'devicekit run --help')\n")
+
+
 def test_a_queued_run_whose_stderr_is_a_file_says_it_waits(two_gpus: Path, jobs: Jobs, holder: Callable,
                                                              tmp_path: Path) -> None:
     """Issue 46, item 2: run --wait under nohup or in a batch log wrote nothing while it waited."""

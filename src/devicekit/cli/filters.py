@@ -1,4 +1,5 @@
-"""The GPU filters ``select`` and ``run`` share: ``--exclude``, ``--max-util``, ``--min-free``.
+"""The GPU filters ``select`` and ``run`` share: ``--exclude``, ``--max-util``, ``--min-free``,
+and their ``--wait SECONDS`` (a finite number: ``nan``, ``inf`` and ``1e999`` are refused by name).
 
 One spelling and one parser for both commands, so ``--max-util 0.5`` (a fraction, GPUtil's
 habit) is the same one-line error in each, and ``--exclude 1,3`` means the same GPUs.
@@ -18,11 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import math
+
 import click
 
 from devicekit.units import parse_percent
 
-__all__ = ["exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
+__all__ = ["WAIT_SECONDS", "exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +35,26 @@ exclude_option: Callable[[F], F] = click.option(
 max_util_option: Callable[[F], F] = click.option(
     "--max-util", "max_util", metavar="PCT",
     help="Highest utilization accepted, in percent (0-100; 50 or 50%, not 0.5).")
+
+
+class _WaitSeconds(click.ParamType):
+    """Seconds to wait: a finite number >= 0, the bad value named as given (``'1e999'``, not
+    the ``inf`` it parses to, which the library would then name instead)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            self.fail(f"{value!r} is not a number of seconds >= 0 (e.g. 600)", param, ctx)
+        return seconds
+
+
+#: the type of ``select --wait`` and ``run --wait``
+WAIT_SECONDS = _WaitSeconds()
 
 
 def parse_exclude(values: tuple[str, ...] | list[str]) -> list[str]:

@@ -26,7 +26,13 @@ from typing import Any
 
 import click
 
-from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
+from devicekit.cli.filters import (
+    WAIT_SECONDS,
+    exclude_option,
+    max_util_option,
+    parse_exclude,
+    parse_max_util,
+)
 
 __all__ = ["command"]
 
@@ -121,7 +127,7 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               help="Only GPUs with at least this much free memory, with a unit, e.g. 20GiB.")
 @max_util_option
 @exclude_option
-@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS", default=None,
+@click.option("--wait", type=WAIT_SECONDS, metavar="SECONDS", default=None,
               help="Queue behind busy GPUs for up to this long: a ticket in the fair queue"
                    " (first come, first served; see 'devicekit queue').")
 @click.option("--time", "time_limit", metavar="DURATION", default=None,

@@ -15,7 +15,13 @@ import os
 
 import click
 
-from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
+from devicekit.cli.filters import (
+    WAIT_SECONDS,
+    exclude_option,
+    max_util_option,
+    parse_exclude,
+    parse_max_util,
+)
 from devicekit.hardware.printable import printable
 from devicekit.selection.choose import select_gpus
 from devicekit.selection.gpu_request import ORDERS
@@ -61,7 +67,7 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs (on 
 @exclude_option
 @click.option("--order", type=click.Choice(ORDERS), default="free-memory", show_default=True,
               help="Which eligible GPUs come first.")
-@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--wait", type=WAIT_SECONDS, metavar="SECONDS",
               help="Wait up to SECONDS for enough GPUs to free up.")
 @click.option("--format", "fmt", type=click.Choice(["uuid", "index"]), default="uuid",
               show_default=True, help="Print UUIDs, or indices (then set CUDA_DEVICE_ORDER=PCI_BUS_ID).")
