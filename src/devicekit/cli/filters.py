@@ -16,10 +16,9 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import math
 
 import click
 
