@@ -47,6 +47,12 @@ def test_estimate_table_and_json(capsys: pytest.CaptureFixture[str], monkeypatch
     (["fit_models:small_mlp", "--input", "1024:complex7"], "complex7"),
     (["fit_models:small_mlp", "--input", "7"], "failed on the sample"),
     (["fit_models:small_mlp", "--input", "1024", "--optimizer", "lion9"], "lion9"),
+    # a shape or batch past what a tensor can hold was torch's traceback (storage size
+    # overflowed, or "Overflow when unpacking long long" past int64)
+    (["fit_models:small_mlp", "--input", "99999999x99999999x9999999"],
+     "--input '99999999x99999999x9999999': 99999999x99999999x9999999 at batch 1 is too large"),
+    (["fit_models:small_mlp", "--input", "1024", "--batch", "99999999999999999999"],
+     "1024 at batch 99999999999999999999 is too large for any tensor"),
 ])
 def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                       argv: list[str], words: str) -> None:

@@ -104,6 +104,12 @@ def parse_inputs(text: str, batch: int) -> Any:
     """Meta tensors of shape (batch, *SHAPE) for each comma-separated ``AxBxC[:dtype]``."""
     import torch
 
-    tensors = [torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta")
-               for shape, dtype_name in input_specs(text)]
+    tensors = []
+    for shape, dtype_name in input_specs(text):
+        try:
+            tensors.append(torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta"))
+        except (RuntimeError, OverflowError, TypeError):  # no tensor that large: a size past int64
+            dims = "x".join(str(d) for d in shape)
+            raise InvalidValueError(f"--input {text!r}: {dims} at batch {batch} is too large for any "
+                                    "tensor (its size in bytes overflows); check the shape") from None
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
