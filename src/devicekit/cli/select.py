@@ -17,6 +17,7 @@ import click
 
 from devicekit.cli.filters import (
     WAIT_SECONDS,
+    Seconds,
     exclude_option,
     max_util_option,
     parse_exclude,
@@ -80,7 +81,7 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs (on 
               flag_value="",
               help="Choose among these hosts' devicekit serve (commas or repeated); alone: "
                    "from DEVICEKIT_HOSTS or ~/.config/devicekit/hosts.")
-@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+@click.option("--timeout", type=Seconds(0.1, 60), default=3.0, show_default=True,
               metavar="SECONDS", help="With --hosts: how long each host has to answer.")
 def command(count: str, min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
             order: str, wait: float | None, fmt: str, share: bool, users: tuple[str, ...],
