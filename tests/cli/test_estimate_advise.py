@@ -38,6 +38,11 @@ def test_estimate_table_and_json(capsys: pytest.CaptureFixture[str], monkeypatch
     (["fit_models"], "MODULE:FACTORY"),
     (["no_such_module_xyz:build"], "cannot import"),
     (["fit_models:missing"], "no callable 'missing'"),
+    # a file path said "cannot import '/x/fit_models.py' (No module named '/x/fit_models')"
+    (["/x/fit_models.py:small_mlp"], "'/x/fit_models.py' is a file path, but MODULE is a module name"
+                                     " importable from here: run from /x with 'fit_models:small_mlp'"),
+    (["fit_models.py:small_mlp"], "run from its folder with 'fit_models:small_mlp'"),
+    (["fit_models:small_mlp", "--step", "./fit_models.py:lm_step"], "run from . with 'fit_models:lm_step'"),
     (["fit_models:small_mlp", "--input", "3xfoo"], "'3xfoo' does not parse"),
     (["fit_models:small_mlp", "--input", "1024,"], "--input '1024,': shape '' does not parse"),
     (["fit_models:small_mlp", "--input", "0"], "every dimension of '0' must be at least 1"),
@@ -47,6 +52,12 @@ def test_estimate_table_and_json(capsys: pytest.CaptureFixture[str], monkeypatch
     (["fit_models:small_mlp", "--input", "1024:complex7"], "complex7"),
     (["fit_models:small_mlp", "--input", "7"], "failed on the sample"),
     (["fit_models:small_mlp", "--input", "1024", "--optimizer", "lion9"], "lion9"),
+    # a shape or batch past what a tensor can hold was torch's traceback (storage size
+    # overflowed, or "Overflow when unpacking long long" past int64)
+    (["fit_models:small_mlp", "--input", "99999999x99999999x9999999"],
+     "--input '99999999x99999999x9999999': 99999999x99999999x9999999 at batch 1 is too large"),
+    (["fit_models:small_mlp", "--input", "1024", "--batch", "99999999999999999999"],
+     "1024 at batch 99999999999999999999 is too large for any tensor"),
 ])
 def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                       argv: list[str], words: str) -> None:

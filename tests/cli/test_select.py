@@ -65,6 +65,13 @@ def test_leased_gpus_skipped_and_select_holds_none(three, capsys):
     (["--order", "fast"], 1, "'fast' is not one of"),
     (["--exclude", "7"], 1, "exclude entry '7'"),
     (["--wait", "-1"], 1, "--wait"),
+    # not finite: named as typed (it said "wait inf" for 1e999), before any ticket is taken
+    (["--wait", "nan"], 1, "Invalid value for '--wait': 'nan' is not a number of seconds"),
+    (["--wait", "inf"], 1, "Invalid value for '--wait': 'inf' is not a number of seconds"),
+    (["--wait", "1e999"], 1, "Invalid value for '--wait': '1e999' is not a number of seconds"),
+    # --hosts' --timeout nan passed click's FloatRange and raised ValueError in a thread join
+    (["--hosts", "127.0.0.1:9", "--timeout", "nan"], 1,
+     "Invalid value for '--timeout': 'nan' is not a number of seconds from 0.1 to 60"),
     (["--share"], 1, "--share needs --min-free"),
     (["-n", "5"], 3, "need 5 GPU(s) but this machine has only 3; waiting cannot help"),
     (["-n", "5", "--wait", "600"], 3, "this machine has only 3; waiting cannot help"),

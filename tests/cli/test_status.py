@@ -109,6 +109,14 @@ def test_bad_watch_value_one_line(two, capsys, value):
     assert err.startswith("devicekit: ") and err.count("\n") == 1 and repr(value) in err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "61"])
+def test_bad_hosts_timeout_one_line(two, capsys, value):
+    # --timeout nan passed click's FloatRange and raised ValueError in the peer reader's join
+    code, out, err = run_cli(capsys, "--hosts", "127.0.0.1:9", "--timeout", value)
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert f"Invalid value for '--timeout': '{value}' is not a number of seconds from 0.1 to 60" in err
+
+
 def test_driver_failure_exit_2(two, capsys, monkeypatch):
     from tests.hardware.fake_pynvml import ERROR_CODES, FakeDevice, install_pynvml, make_pynvml
 

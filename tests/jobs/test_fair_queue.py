@@ -223,6 +223,17 @@ def test_bad_time_limit_is_one_line(jobs: Jobs) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("option", ["--wait", "--hang-timeout"])
+@pytest.mark.parametrize("seconds", ["nan", "1e999"])
+def test_seconds_that_are_not_finite_are_named_as_typed(jobs: Jobs, option: str, seconds: str) -> None:
+    # `run --wait 1e999` said "wait inf must be a number of seconds >= 0"; `--hang-timeout nan`
+    # was taken (click's FloatRange lets NaN through) and the job started
+    result = jobs.cli("run", "--procs", "2", option, seconds, "--", "true")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (f"devicekit: Invalid value for '{option}': '{seconds}' is not a number"
+                             " of seconds >= 0 (see 'devicekit run --help')\n")
+
+
 def test_a_queued_run_whose_stderr_is_a_file_says_it_waits(two_gpus: Path, jobs: Jobs, holder: Callable,
                                                              tmp_path: Path) -> None:
     """Issue 46, item 2: run --wait under nohup or in a batch log wrote nothing while it waited."""

@@ -115,6 +115,20 @@ def test_item1_leases_of_huge_numbers_stop_nobody(spawn, admin_lease_dir, simula
 
 
 @needs_root
+def test_doctor_warns_of_ignored_lease_files_naming_their_owner(spawn, admin_lease_dir,
+                                                                simulate) -> None:
+    # doctor said "PASS lease_dir ..., 0 live lease(s)" while status warned of nobody's files
+    from devicekit.sharing.doctor_checks import check_lease_dir
+
+    simulate([h100()])
+    bob_writes(spawn, admin_lease_dir, bad_leases(dk.gpus()[0].uuid, [("memory", "1e999")]))
+    check = check_lease_dir()
+    assert check.status == "warn", check
+    assert "0 live lease(s); 1 live lease file(s) of nobody ignored" in check.message
+    assert "at `$.memory`" in check.message and "ignored_leases" in check.message
+
+
+@needs_root
 def test_item2_leases_since_nan_or_1e300_stop_nobody(spawn, admin_lease_dir, simulate) -> None:
     simulate([h100(), h100()])
     edits = [("since", "NaN"), ("since", "1e300"), ("since", "1e18"), ("since", "-1"),

@@ -51,3 +51,16 @@ def test_silent_when_disabled(four: list[GPU]) -> None:
     display = WaitDisplay(2, 60, stream=stream, enabled=False)
     display.update(candidates(four, "busy"), 10)
     assert stream.getvalue() == ""
+
+
+def test_a_huge_wait_is_said_in_days_not_in_300_digits(four: list[GPU]) -> None:
+    # `select --wait 1e308` printed "up to 1000000000000000010979063629440455417404923...": the
+    # finite float in full; past a million seconds the line gives days instead
+    stream = io.StringIO()
+    display = WaitDisplay(2, 1e308, stream=stream)
+    display.update(candidates(four, "busy"), 1e308)
+    display.update(candidates(four, "still busy"), 1e7)
+    first, second = stream.getvalue().splitlines()
+    assert first.startswith("devicekit: waiting for 2 GPU(s) (1 eligible), up to >9999d: ")
+    assert ", 115d17h left: " in second and len(second) < 120, second
+    display.close()

@@ -77,6 +77,18 @@ def test_table_shows_gpus_processes_users_and_leases():
     assert "Processes" not in without and "python big.py" not in without
 
 
+def test_several_leases_that_are_not_shared_are_not_called_shared():
+    # two whole-GPU lease files of `nobody` on one GPU (written by hand, kept locked) showed as
+    # "2 shared: nobody", though neither is a share lease
+    gpu = _gpu(0)
+    report = StatusReport(host=host(), backend="nvml", driver_version=None, cuda_driver_version=None,
+                          gpus=(gpu,), leases=(_lease(gpu, "nobody", 31625),
+                                               _lease(gpu, "nobody", 31626)))
+    row0 = next(line for line in _text(render_status(report)).splitlines()
+                if line.lstrip().startswith("0 "))
+    assert "2 leases: nobody" in row0 and "shared" not in row0, row0
+
+
 def test_table_fits_an_80_column_terminal():
     report = StatusReport(host=host(), backend="nvml", driver_version=None, cuda_driver_version=None,
                           gpus=tuple(_gpu(i, processes=(GPUProcess(7, "someone-with-a-long-name"),))

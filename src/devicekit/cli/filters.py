@@ -1,4 +1,6 @@
-"""The GPU filters ``select`` and ``run`` share: ``--exclude``, ``--max-util``, ``--min-free``.
+"""The GPU filters ``select`` and ``run`` share: ``--exclude``, ``--max-util``, ``--min-free``,
+and their ``--wait SECONDS`` (a finite number: ``nan``, ``inf`` and ``1e999`` are refused by name;
+:class:`Seconds` is that type for the other options that take seconds).
 
 One spelling and one parser for both commands, so ``--max-util 0.5`` (a fraction, GPUtil's
 habit) is the same one-line error in each, and ``--exclude 1,3`` means the same GPUs.
@@ -15,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,7 +25,7 @@ import click
 
 from devicekit.units import parse_percent
 
-__all__ = ["exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
+__all__ = ["Seconds", "WAIT_SECONDS", "exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +35,31 @@ exclude_option: Callable[[F], F] = click.option(
 max_util_option: Callable[[F], F] = click.option(
     "--max-util", "max_util", metavar="PCT",
     help="Highest utilization accepted, in percent (0-100; 50 or 50%, not 0.5).")
+
+
+class Seconds(click.ParamType):
+    """Seconds: a finite number from ``low`` to ``high`` (None: no upper bound), the bad value
+    named as typed. click's ``FloatRange`` lets ``nan`` through (every comparison with it is
+    false) and names ``1e999`` as ``inf``; a NaN timeout then raised ValueError in a thread join."""
+
+    name = "seconds"
+
+    def __init__(self, low: float = 0.0, high: float | None = None) -> None:
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < self.low or (self.high is not None and seconds > self.high):
+            span = f">= {self.low:g}" if self.high is None else f"from {self.low:g} to {self.high:g}"
+            self.fail(f"{value!r} is not a number of seconds {span}", param, ctx)
+        return seconds
+
+
+#: the type of ``select --wait`` and ``run --wait``
+WAIT_SECONDS = Seconds(0.0)
 
 
 def parse_exclude(values: tuple[str, ...] | list[str]) -> list[str]:

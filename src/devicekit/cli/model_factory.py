@@ -46,6 +46,13 @@ def _split(spec: str, what: str, form: str) -> tuple[str, str]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise InvalidValueError(f"{what} {spec!r} is not {form}, e.g. mypkg.models:build_resnet")
+    if module_name.endswith(".py") or "/" in module_name:  # a file path: said as such, not "No module named"
+        folder, _, file = module_name.rpartition("/")
+        stem = file[:-3] if file.endswith(".py") else file
+        where = f"from {folder or '/'}" if folder else "from its folder"
+        raise InvalidValueError(
+            f"{what} {spec!r}: {module_name!r} is a file path, but MODULE is a module name importable"
+            f" from here: run {where} with '{stem}:{attr}' (or put the folder on PYTHONPATH)")
     return module_name, attr
 
 
@@ -104,6 +111,12 @@ def parse_inputs(text: str, batch: int) -> Any:
     """Meta tensors of shape (batch, *SHAPE) for each comma-separated ``AxBxC[:dtype]``."""
     import torch
 
-    tensors = [torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta")
-               for shape, dtype_name in input_specs(text)]
+    tensors = []
+    for shape, dtype_name in input_specs(text):
+        try:
+            tensors.append(torch.empty(batch, *shape, dtype=getattr(torch, dtype_name), device="meta"))
+        except (RuntimeError, OverflowError, TypeError):  # no tensor that large: a size past int64
+            dims = "x".join(str(d) for d in shape)
+            raise InvalidValueError(f"--input {text!r}: {dims} at batch {batch} is too large for any "
+                                    "tensor (its size in bytes overflows); check the shape") from None
     return tensors[0] if len(tensors) == 1 else tuple(tensors)

@@ -26,7 +26,14 @@ from typing import Any
 
 import click
 
-from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
+from devicekit.cli.filters import (
+    WAIT_SECONDS,
+    Seconds,
+    exclude_option,
+    max_util_option,
+    parse_exclude,
+    parse_max_util,
+)
 
 __all__ = ["command"]
 
@@ -121,7 +128,7 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               help="Only GPUs with at least this much free memory, with a unit, e.g. 20GiB.")
 @max_util_option
 @exclude_option
-@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS", default=None,
+@click.option("--wait", type=WAIT_SECONDS, metavar="SECONDS", default=None,
               help="Queue behind busy GPUs for up to this long: a ticket in the fair queue"
                    " (first come, first served; see 'devicekit queue').")
 @click.option("--time", "time_limit", metavar="DURATION", default=None,
@@ -149,7 +156,7 @@ def _procs(value: str | None, gpus: str | None) -> tuple[int | None, str | None]
               default=None, help="Let torchrun restart the workers this many times.")
 @click.option("--log-dir", "--log_dir", "log_dir", metavar="DIR", default=None,
               help="torchrun writes each rank's stdout/stderr under DIR (and still shows it).")
-@click.option("--hang-timeout", "hang_timeout", type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--hang-timeout", "hang_timeout", type=Seconds(0.0), metavar="SECONDS",
               default=600.0, show_default=True,
               help="With several processes: when no rank makes progress this long while one"
                    " waits in a collective, print a report naming the rank to look at and stop"

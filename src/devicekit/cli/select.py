@@ -15,7 +15,14 @@ import os
 
 import click
 
-from devicekit.cli.filters import exclude_option, max_util_option, parse_exclude, parse_max_util
+from devicekit.cli.filters import (
+    WAIT_SECONDS,
+    Seconds,
+    exclude_option,
+    max_util_option,
+    parse_exclude,
+    parse_max_util,
+)
 from devicekit.hardware.printable import printable
 from devicekit.selection.choose import select_gpus
 from devicekit.selection.gpu_request import ORDERS
@@ -61,7 +68,7 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs (on 
 @exclude_option
 @click.option("--order", type=click.Choice(ORDERS), default="free-memory", show_default=True,
               help="Which eligible GPUs come first.")
-@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--wait", type=WAIT_SECONDS, metavar="SECONDS",
               help="Wait up to SECONDS for enough GPUs to free up.")
 @click.option("--format", "fmt", type=click.Choice(["uuid", "index"]), default="uuid",
               show_default=True, help="Print UUIDs, or indices (then set CUDA_DEVICE_ORDER=PCI_BUS_ID).")
@@ -74,7 +81,7 @@ Exit codes: 0 chosen; 1 bad input; 2 NVML or driver failure; 3 too few GPUs (on 
               flag_value="",
               help="Choose among these hosts' devicekit serve (commas or repeated); alone: "
                    "from DEVICEKIT_HOSTS or ~/.config/devicekit/hosts.")
-@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+@click.option("--timeout", type=Seconds(0.1, 60), default=3.0, show_default=True,
               metavar="SECONDS", help="With --hosts: how long each host has to answer.")
 def command(count: str, min_free: str | None, max_util: str | None, exclude: tuple[str, ...],
             order: str, wait: float | None, fmt: str, share: bool, users: tuple[str, ...],

@@ -28,6 +28,8 @@ from typing import Any
 
 import click
 
+from devicekit.cli.filters import Seconds
+
 __all__ = ["command"]
 
 DEFAULT_WATCH_SECONDS = 2.0
@@ -63,7 +65,7 @@ def _watch_seconds(ctx: click.Context, param: click.Parameter, value: str | None
               flag_value="",
               help="Read these hosts' devicekit serve instead of this machine (commas or "
                    "repeated); alone: from DEVICEKIT_HOSTS or ~/.config/devicekit/hosts.")
-@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+@click.option("--timeout", type=Seconds(0.1, 60), default=3.0, show_default=True,
               metavar="SECONDS", help="With --hosts: how long each host has to answer.")
 def command(as_json: bool, watch: float | None, no_processes: bool, count: int | None,
             hosts: tuple[str, ...], timeout: float) -> int | None:

@@ -23,11 +23,18 @@ from collections.abc import Sequence
 from typing import IO, Any, Protocol
 
 from devicekit.hardware.printable import printable
+from devicekit.units import format_duration
 
 __all__ = ["WaitDisplay", "EVERY_SECONDS"]
 
 #: seconds between plain lines while nothing changes
 EVERY_SECONDS = 30.0
+
+
+def _seconds(seconds: float) -> str:
+    """``600 -> '600 s'`` (what --wait was given in); a wait past a million seconds in days
+    (``'11d14h'``, ``'>9999d'`` for ``--wait 1e308``) rather than a 300-digit number."""
+    return f"{seconds:.0f} s" if seconds < 1e6 else format_duration(seconds)
 
 
 class _Judged(Protocol):
@@ -62,7 +69,7 @@ class WaitDisplay:
     def text(self, candidates: Sequence[_Judged], remaining: float) -> str:
         eligible = sum(c.eligible for c in candidates)
         asked = "all eligible" if self.count is None else str(self.count)
-        return (f"waiting for {asked} GPU(s): {eligible} eligible, {remaining:.0f} s left "
+        return (f"waiting for {asked} GPU(s): {eligible} eligible, {_seconds(remaining)} left "
                 f"({_first_blocked(candidates)})")
 
     def update(self, candidates: Sequence[_Judged], remaining: float, *, ticket: Any = None,
@@ -98,9 +105,9 @@ class WaitDisplay:
             eligible = sum(c.eligible for c in candidates)
             where, reason = f"{eligible} eligible", _first_blocked(candidates)
         if first:
-            head = f"devicekit: waiting for {asked} ({where}), up to {remaining:.0f} s"
+            head = f"devicekit: waiting for {asked} ({where}), up to {_seconds(remaining)}"
         else:
-            head = f"devicekit: still waiting for {asked} ({where}), {waited:.0f} s so far, {remaining:.0f} s left"
+            head = f"devicekit: still waiting for {asked} ({where}), {_seconds(waited)} so far, {_seconds(remaining)} left"
         return printable(f"{head}: {reason}")
 
     def _live(self, candidates: Sequence[_Judged], remaining: float) -> None:

@@ -170,7 +170,8 @@ def check_lease_dir() -> Check:
         if not os.access(path, os.W_OK | os.X_OK):
             return Check("lease_dir", "fail", f"lease directory {str(path)!r} is not writable by "
                          "you; set DEVICEKIT_LEASE_DIR to a directory you can write")
-        live = read_leases(path)
+        ignored: list = []
+        live = read_leases(path, ignored=ignored)
     except DeviceKitError as exc:
         return Check("lease_dir", "fail", str(exc))
     info = os.stat(path)
@@ -181,6 +182,12 @@ def check_lease_dir() -> Check:
     if squatted:  # devicekit run refuses these GPUs: someone pre-created their lock files
         return Check("lease_dir", "warn", f"{len(squatted)} unusable lock file(s), their GPUs "
                      f"blocked: {'; '.join(squatted[:4])}; ask the owner or an admin to remove them")
+    if ignored:  # another user's junk or attack: status lists them, the admin should hear of it
+        owners = ", ".join(sorted({i.user for i in ignored}))
+        return Check("lease_dir", "warn", f"{path} (mode {mode}), {len(live)} live lease(s);"
+                     f" {len(ignored)} live lease file(s) of {owners} ignored (they fail the lease"
+                     f" schema, so they hold no GPU), e.g. {ignored[0].name}: {ignored[0].why};"
+                     " 'devicekit status --json' lists them (ignored_leases)")
     return Check("lease_dir", "pass", f"{path} (mode {mode}), {len(live)} live lease(s)")
 
 

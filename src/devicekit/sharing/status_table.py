@@ -132,7 +132,9 @@ def _own_leases(gpu: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def lease_cell(leases: Sequence[Mapping[str, Any]]) -> str:
-    """``bob (812) 20 GiB shared (lock) idle`` for one lease, ``2 shared: carol,dave 12 GiB``."""
+    """``bob (812) 20 GiB shared (lock) idle`` for one lease, ``2 shared: carol,dave 12 GiB``;
+    ``2 leases: nobody`` when they are not all ``share`` leases (whole-GPU lease files that
+    cannot all hold the lock, e.g. written by hand): never called shared when they are not."""
     if not leases:
         return "-"
     if len(leases) == 1:
@@ -145,7 +147,8 @@ def lease_cell(leases: Sequence[Mapping[str, Any]]) -> str:
                 + (" idle" if _number(r.get("idle_since")) is not None else ""))
     users = ",".join(sorted({printable(r.get("user") or "?") for r in leases}))
     total = sum(_size(r.get("memory")) for r in leases)
-    return f"{len(leases)} shared: {users}" + (f" {format_size(total)}" if total else "")
+    kind = "shared" if all(r.get("share") is True for r in leases) else "leases"
+    return f"{len(leases)} {kind}: {users}" + (f" {format_size(total)}" if total else "")
 
 
 def gpu_state(gpu: Mapping[str, Any]) -> str:
