@@ -308,6 +308,20 @@ class SlurmCluster:
                 os.killpg(proc.pid, 9)
                 proc.wait(timeout=5)
         self._procs.clear()
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL every process still pointed at this cluster's slurm.conf: a ``slurmstepd``
+        outlives a slurmd stopped while its batch step ran, with the job's processes under it."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), 9)
+            except (OSError, ValueError):
+                continue  # gone already, or not ours to read
 
     def __enter__(self) -> SlurmCluster:
         return self
