@@ -123,7 +123,7 @@ def test_no_process_group_left_behind() -> None:
 
 
 def test_progress_is_shown_on_stderr_while_the_parallel_step_runs(monkeypatch, capsys) -> None:
-    from devicekit.parallel import equivalence
+    from devicekit.strategy import equivalence
 
     class Stop(Exception):
         pass
