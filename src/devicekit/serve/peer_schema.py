@@ -36,6 +36,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+# the field types every untrusted document shares (hardware/document_fields.py): one definition
+from devicekit.hardware.document_fields import EpochSeconds as Epoch
+from devicekit.hardware.document_fields import Percent, Seconds
+
 __all__ = ["PeerStatus", "PeerGPU", "PeerMig", "PeerProcess", "PeerLease", "PeerTicket",
            "PeerHost", "is_identifier", "UUID_PATTERN", "MAX_GPUS", "MAX_MIG", "MAX_PROCESSES",
            "MAX_GPU_LEASES", "MAX_MIG_LEASES", "MAX_OTHER_LEASES", "MAX_QUEUE", "MAX_TEXT",
@@ -66,13 +70,10 @@ Index = Annotated[int, Meta(ge=0, le=255)]
 Pid = Annotated[int, Meta(ge=0, le=2**31)]
 Bytes = Annotated[int, Meta(ge=0, lt=2**53)]
 Count = Annotated[int, Meta(ge=0, le=65536)]
-Percent = Annotated[float, Meta(ge=0, le=100)]
 Celsius = Annotated[float, Meta(ge=-100, le=250)]
 Watts = Annotated[float, Meta(ge=0, le=100_000)]
-#: seconds since the epoch; the window around this machine's clock is checked after decoding
-Epoch = Annotated[float, Meta(ge=0, le=2**32)]
-#: a declared time limit: at most ten years
-Seconds = Annotated[float, Meta(ge=0, le=10 * 366 * 86400)]
+# Epoch: seconds since the epoch; the window around this machine's clock is checked after
+# decoding. Seconds: a declared time limit, at most ten years.
 Load = Annotated[float, Meta(ge=0, le=1e6)]
 Words = Annotated[list[Annotated[str, Meta(max_length=200)]], Meta(max_length=512)]
 
