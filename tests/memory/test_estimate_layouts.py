@@ -224,3 +224,15 @@ def test_a_sparse_sample_is_refused_by_name_not_sized_dense() -> None:
     with pytest.raises(UnsizedLayoutError, match="sample tensor of layout torch.sparse_coo") as info:
         dk.estimate_memory(nn.Linear(1000, 8), (adjacency,), device="cpu")
     assert "\n" not in str(info.value)
+
+
+def test_max_batch_size_says_when_it_stops_at_its_limit() -> None:
+    """A newcomer's small MLP in 20 GiB returned 1,048,576 (the search's cap) without a word."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    est = dk.estimate_memory(model, torch.empty(64, 16, device="meta"))
+    with pytest.warns(UserWarning, match="search stops there .limit=1048576."):
+        assert est.max_batch_size("20GiB") == 1 << 20
+    with pytest.warns(UserWarning, match="limit=4096"):
+        assert est.max_batch_size("20GiB", limit=4096) == 4096
+    small = est.max_batch_size("2MiB")  # well inside the cap: no warning, and the answer fits
+    assert 0 < small < 1 << 20 and est.at_batch_size(small).peak <= 2 * 1024**2

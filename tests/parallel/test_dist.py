@@ -242,9 +242,10 @@ def test_no_warning_where_no_gpu_was_given(monkeypatch, recwarn) -> None:
 
 
 def test_run_refuses_to_lease_real_gpus_for_a_cpu_only_torch(simulate, monkeypatch) -> None:
+    import importlib
+
     import devicekit as dk
     from devicekit.errors import LaunchError
-    import importlib
 
     run_module = importlib.import_module("devicekit.jobs.run")  # the module, not jobs.run()
     from devicekit.sharing.doctor_checks import Inventory

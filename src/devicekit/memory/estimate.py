@@ -119,8 +119,11 @@ class MemoryEstimate:
         From how the peak grows with the batch (two fake runs give the slope), then checked
         with fake runs at the answer and one above it; no real memory is used, but for a model
         whose shapes depend on values, which each run sizes by real CPU steps (up to batch 128).
+        The search stops at ``limit`` (2**20 rows by default): an answer equal to it says only
+        that so many fit, with a warning; pass a larger ``limit`` for the true maximum.
         """
         room = parse_size(budget, name="budget")
+        limit = _positive(limit, "limit")
         if self._again is None or self.batch_size is None:
             raise InvalidValueError("this estimate has no batch dimension; pass a sample with one")
         memo: dict[int, int] = {self.batch_size: self.peak}
@@ -149,6 +152,12 @@ class MemoryEstimate:
                 lo = mid
             else:
                 hi = mid
+        if lo >= limit:
+            import warnings
+
+            warnings.warn(BatchLimitWarning(f"batch {limit:,} fits in {format_size(room)} and the search stops there"
+                          f" (limit={limit}): the largest batch may be larger; pass a larger limit="),
+                          stacklevel=2)
         return min(lo, limit)
 
     def fits(self, target: int | str | Any) -> Fit:
@@ -203,6 +212,10 @@ class MemoryEstimate:
             if "assumed" in self.loop:
                 lines.append("  give yours: step=fn / --step MODULE:FN (what your eval loop runs and keeps)")
         return "\n".join(lines)
+
+
+class BatchLimitWarning(UserWarning):
+    """``max_batch_size`` reached its ``limit``: the true largest batch may be larger."""
 
 
 def _positive(value: Any, name: str) -> int:

@@ -29,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from devicekit.errors import DeviceKitError, InvalidValueError
-from devicekit.memory.estimate import MemoryEstimate, estimate_memory
+from devicekit.memory.estimate import BatchLimitWarning, MemoryEstimate, estimate_memory
 from devicekit.memory.fit_check import GpuNeed, gpu_need
 from devicekit.memory.losses import LossFn
 from devicekit.memory.step import OptimizerSpec, StepFn
@@ -206,7 +207,9 @@ def _largest_batch(est: MemoryEstimate, room: int) -> str:
     """The largest batch within ``room``, in words: never a silent cap, never a bare 0."""
     if est.batch_size is None:
         return "unknown (the sample has no batch dimension)"
-    n = est.max_batch_size(room, limit=BATCH_LIMIT)
+    with warnings.catch_warnings():  # said below in words: "more than ..."
+        warnings.simplefilter("ignore", BatchLimitWarning)
+        n = est.max_batch_size(room, limit=BATCH_LIMIT)
     if n == 0:
         return "not even batch 1"
     if n >= BATCH_LIMIT:
