@@ -233,3 +233,14 @@ def test_watch_on_a_terminal_shows_the_hint_and_restores_it_on_sigterm(two):
     tail = seen[mark:]
     assert b"\x1b[?25h" in tail  # the cursor comes back
     assert b"Traceback" not in seen
+
+
+@pytest.mark.parametrize("command", ["status", "select"])
+def test_timeout_without_hosts_is_refused_not_ignored(command: str) -> None:
+    """A newcomer's ``status --timeout 5`` was accepted and did nothing (it is --hosts' option)."""
+    from click.testing import CliRunner
+
+    from devicekit.cli.main import cli
+
+    result = CliRunner().invoke(cli, [command, "--timeout", "5"])
+    assert result.exit_code == 2 and "--timeout goes with --hosts" in result.output

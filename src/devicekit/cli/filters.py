@@ -25,7 +25,8 @@ import click
 
 from devicekit.units import parse_percent
 
-__all__ = ["Seconds", "WAIT_SECONDS", "exclude_option", "max_util_option", "parse_exclude", "parse_max_util"]
+__all__ = ["Seconds", "WAIT_SECONDS", "exclude_option", "max_util_option", "parse_exclude", "parse_max_util",
+           "refuse_timeout_without_hosts"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,3 +78,10 @@ def parse_max_util(value: str | None) -> str | None:
     if value is None:
         return None
     return f"{parse_percent(value, name='--max-util'):g}%"
+
+
+def refuse_timeout_without_hosts(hosts: tuple[str, ...]) -> None:
+    """``--timeout`` typed without ``--hosts`` would be ignored: say so instead."""
+    source = click.get_current_context().get_parameter_source("timeout")
+    if not hosts and source is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--timeout goes with --hosts (how long each host has to answer)")

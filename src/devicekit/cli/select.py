@@ -22,6 +22,7 @@ from devicekit.cli.filters import (
     max_util_option,
     parse_exclude,
     parse_max_util,
+    refuse_timeout_without_hosts,
 )
 from devicekit.hardware.printable import printable
 from devicekit.selection.choose import select_gpus
@@ -105,6 +106,7 @@ def command(count: str, min_free: str | None, max_util: str | None, exclude: tup
     # parsed here so that an error names the option the user typed
     min_free_bytes = parse_size(min_free, name="--min-free") if min_free is not None else None
     util = parse_max_util(max_util)
+    refuse_timeout_without_hosts(hosts)
     if hosts:
         for flag, given in (("--wait", wait is not None), ("--share", share),
                             ("--exclude", bool(exclude))):

@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from devicekit.cli.filters import Seconds
+from devicekit.cli.filters import Seconds, refuse_timeout_without_hosts
 
 __all__ = ["command"]
 
@@ -77,6 +77,7 @@ def command(as_json: bool, watch: float | None, no_processes: bool, count: int |
     Exit codes: 0 shown (with --hosts: at least one host answered); 1 bad option; 2 NVML or
     driver failure (with --hosts: no host answered).
     """
+    refuse_timeout_without_hosts(hosts)
     if hosts:
         if watch is not None:
             raise click.UsageError("--watch does not go with --hosts yet: use "
