@@ -111,3 +111,13 @@ def test_devicekit_run_in_salloc_shell_off_the_node_says_so() -> None:
     assert any("which is not one of the job's nodes (dknode)" in note for note in shell.notes)
     task = resolve_world(RunRequest(procs=1), CASES["sbatch_srun"]["processes"][0])
     assert not any("salloc's shell" in note for note in task.notes)
+
+
+def test_a_heterogeneous_job_step_is_refused_not_read_as_one_component() -> None:
+    """The fixture's Slurm could not run ``salloc -n1 : -n2``; its tasks carry SLURM_HET_SIZE
+    and per-component counts (SLURM_NTASKS_HET_GROUP_N) that the reader does not combine, so it
+    refuses in one line rather than guess a world from one component's variables."""
+    task = dict(CASES["salloc_srun"]["processes"][1])
+    task.update(SLURM_HET_SIZE="2", SLURM_NTASKS_HET_GROUP_0="1", SLURM_NTASKS_HET_GROUP_1="2")
+    with pytest.raises(DeviceKitError, match=r"SLURM_HET_SIZE=2: a heterogeneous Slurm job"):
+        detect_environment(task).read()

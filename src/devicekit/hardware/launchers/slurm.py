@@ -136,6 +136,13 @@ class SlurmEnvironment(Environment):
                 f"SLURM_PROCID={e.get('SLURM_PROCID')} but no SLURM_STEP_ID: this is neither an"
                 " srun task nor the sbatch script (an environment copied by hand?); start the"
                 " ranks with srun, or unset the SLURM_* variables for a single process")
+        het = next((name for name in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE") if name in e), None)
+        if het is not None:  # the step's counts are per component: not read, so refused
+            raise DistributedError(
+                f"{het}={e.get(het)}: a heterogeneous Slurm job, whose task counts and node lists"
+                " come per component (SLURM_*_HET_GROUP_N); devicekit does not read those yet:"
+                " run the ranks in one component (a plain sbatch/salloc), or set RANK,"
+                " WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself")
         rank = integer_variable(e, "SLURM_PROCID")
         world = integer_variable(e, "SLURM_STEP_NUM_TASKS", integer_variable(e, "SLURM_NTASKS", 1))
         nodelist = (e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
