@@ -62,6 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.cuda.device_count()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # several workers share the cores: a second intra-op OpenMP thread per worker only
+            # spins against the others (this process only; children keep their own defaults)
+            torch.set_num_threads(1)
     except Exception:  # torch broken: its own tests say so
         pass
     scratch = Path(tempfile.mkdtemp(prefix="devicekit-tests-"))
