@@ -10,6 +10,7 @@ GPUs, its NVML, its lease directory or its caches, even on a GPU server:
   (a test that fakes NVML removes the variable itself), except tests marked ``gpu``;
 - the lease directory, the bench and batch-size caches are temporary, per test;
 - under pytest-xdist each worker draws rendezvous ports from its own range (tests/ranks.py).
+- under pytest-xdist each worker's own torch runs one intra-op thread (the workers share the cores).
 """
 
 from __future__ import annotations
