@@ -24,9 +24,10 @@ run: $(BIN)/devicekit
 	@echo "devicekit is installed in $(VENV): run $(BIN)/devicekit, or 'source $(BIN)/activate' first"
 
 # the whole suite on pytest-xdist, one worker per core but at least 4 (many tests wait on the
-# processes they start: on 2 cores 4 workers took 237 s, 2 took 274 s), the modules with the
-# slowest recorded tests first (tests/suite_budget.py), the 15 slowest tests and every test over
-# 5 s listed at the end; PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
+# processes they start: on 2 cores 4 workers took 237 s, 2 took 274 s; with 2,500 tests 4 took
+# 318 s and 6 took 332 s, the 2 cores then busy throughout: more workers only add CPU), the
+# modules with the slowest recorded tests first (tests/suite_budget.py), the 15 slowest tests and
+# every test over 5 s listed at the end; PYTEST_ARGS narrows it: make test PYTEST_ARGS="tests/sharing -x"
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -lt 4 ] && n=4; echo $$n)
 test: $(VENV)/.dev

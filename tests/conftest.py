@@ -10,6 +10,7 @@ GPUs, its NVML, its lease directory or its caches, even on a GPU server:
   (a test that fakes NVML removes the variable itself), except tests marked ``gpu``;
 - the lease directory, the bench and batch-size caches are temporary, per test;
 - under pytest-xdist each worker draws rendezvous ports from its own range (tests/ranks.py).
+- under pytest-xdist each worker's own torch runs one intra-op thread (the workers share the cores).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.cuda.device_count()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # several workers share the cores: a second intra-op OpenMP thread per worker only
+            # spins against the others (this process only; children keep their own defaults)
+            torch.set_num_threads(1)
     except Exception:  # torch broken: its own tests say so
         pass
     scratch = Path(tempfile.mkdtemp(prefix="devicekit-tests-"))
