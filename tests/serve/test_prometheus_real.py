@@ -28,7 +28,7 @@ import pytest
 from devicekit.sharing.leases import Lease
 from devicekit.sharing.tickets import Ticket
 from tests.conftest import h100
-from tests.serve.conftest import ServeProcesses
+from tests.serve.conftest import ServeProcesses, stop_process
 
 LAB = Path(__file__).resolve().parents[2] / "docs" / "lab"
 PROMETHEUS = shutil.which("prometheus")
@@ -134,12 +134,7 @@ def lab() -> Iterator[Lab]:
         yield Lab(base, target)
     finally:
         if prometheus is not None:
-            prometheus.terminate()
-            try:
-                prometheus.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                prometheus.kill()
-                prometheus.communicate(timeout=10)
+            stop_process(prometheus)
         serving.stop_all()
         for thing in held:
             thing.close() if isinstance(thing, Ticket) else thing.release()
